@@ -1,0 +1,26 @@
+"""fddp: JAX-style functional data parallelism on PyTorch."""
+
+from fddp._collectives import all_gather, axis_index, axis_size, broadcast, pmean, psum
+from fddp._grad import grad, value_and_grad
+from fddp._module import functional, state
+from fddp._runtime import init, rank, replicate, shard, world_size
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "all_gather",
+    "axis_index",
+    "axis_size",
+    "broadcast",
+    "functional",
+    "grad",
+    "init",
+    "pmean",
+    "psum",
+    "rank",
+    "replicate",
+    "shard",
+    "state",
+    "value_and_grad",
+    "world_size",
+]

@@ -1,0 +1,65 @@
+"""Named axes: which replica dimension a collective's ``axis_name`` refers to.
+
+A transform binds a name while it runs the user's function (``data_parallel`` binds it to a
+process group, ``vmap`` to a mapped tensor dimension); collectives look the name up. Outside
+every transform, ``"data"`` means the default process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+
+DEFAULT_AXIS = "data"
+
+
+class Axis(Protocol):
+    """What a collective needs from a bound axis; each kind implements the per-leaf math."""
+
+    name: str
+
+    def size(self) -> int: ...
+
+    def index(self) -> torch.Tensor: ...
+
+    def psum(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    def all_gather(self, leaves: list[torch.Tensor], tiled: bool) -> list[torch.Tensor]: ...
+
+    def broadcast(self, leaves: list[torch.Tensor], src: int) -> list[torch.Tensor]: ...
+
+
+_bound: list[Axis] = []
+
+
+@contextlib.contextmanager
+def bind(axis: Axis) -> Iterator[None]:
+    """Make ``axis`` the meaning of ``axis.name`` inside the block (innermost binding wins)."""
+    _bound.append(axis)
+    try:
+        yield
+    finally:
+        _bound.pop()
+
+
+def bound_names() -> list[str]:
+    return [a.name for a in reversed(_bound)]
+
+
+def lookup(name: str) -> Axis:
+    """The innermost axis bound to ``name``; ``"data"`` falls back to the default group."""
+    for axis in reversed(_bound):
+        if axis.name == name:
+            return axis
+    if name == DEFAULT_AXIS:
+        from fddp._collectives import default_process_axis
+
+        return default_process_axis()
+    raise ValueError(
+        f"axis name {name!r} is not bound here (bound: {[*bound_names(), DEFAULT_AXIS]}). "
+        f"Call the collective inside fddp.data_parallel(..., axis_name={name!r}) or "
+        f"fddp.vmap(..., axis_name={name!r}), or use the default axis_name='data'."
+    )

@@ -1,0 +1,186 @@
+"""Process-group runtime: init, rank and world size, replicate and shard."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+
+from fddp import _shutdown
+from fddp._tree import leaves_with_paths, pack_bytes, unpack_bytes
+
+logger = logging.getLogger("fddp")
+
+DEFAULT_TIMEOUT_S = 300.0
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init(*, timeout: float | datetime.timedelta | None = None, backend: str | None = None) -> None:
+    """Join the default process group; idempotent.
+
+    Under ``torchrun`` (or any launcher that sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+    ``MASTER_PORT``) this creates the default group from the environment: gloo on CPU, and
+    ``cpu:gloo,cuda:nccl`` when every local rank has a CUDA device. With no launcher it makes a
+    world of one, so a script written for many ranks runs with plain ``python``.
+
+    Args:
+        timeout: seconds (or a timedelta) after which a collective that waits on a dead or stuck
+            rank raises instead of hanging. Defaults to 300 s.
+        backend: override the backend string passed to ``init_process_group``.
+
+    >>> import fddp
+    >>> fddp.init()
+    >>> fddp.world_size() >= 1
+    True
+    """
+    if dist.is_initialized():
+        return
+    if timeout is None:
+        timeout = DEFAULT_TIMEOUT_S
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=float(timeout))
+    launched = all(v in os.environ for v in _LAUNCHER_VARS)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+    if backend is None:
+        backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    if launched:
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    else:
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+    _shutdown.register()
+    logger.info(
+        "fddp.init: rank %d of %d, backend %s, timeout %.0f s",
+        dist.get_rank(),
+        dist.get_world_size(),
+        backend,
+        timeout.total_seconds(),
+    )
+
+
+def rank(group: dist.ProcessGroup | None = None) -> int:
+    """This process's rank in ``group`` (default: the world); calls :func:`init` if needed.
+
+    >>> import fddp
+    >>> fddp.rank()
+    0
+    """
+    init()
+    return dist.get_rank(group)
+
+
+def world_size(group: dist.ProcessGroup | None = None) -> int:
+    """Number of ranks in ``group`` (default: the world); calls :func:`init` if needed.
+
+    >>> import fddp
+    >>> fddp.world_size()
+    1
+    """
+    init()
+    return dist.get_world_size(group)
+
+
+def local_device() -> torch.device:
+    """The device this rank computes on: its CUDA device under nccl, else the CPU."""
+    init()
+    if "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def replicate(tree: Any, src: int = 0, *, group: dist.ProcessGroup | None = None) -> Any:
+    """Return ``tree`` with every leaf equal to rank ``src``'s value, on every rank.
+
+    Tensor leaves travel in one coalesced broadcast per device (packed as bytes, so mixed dtypes
+    share it); other leaves (ints, strings) are taken from ``src`` too. The tree structure and
+    the tensor shapes and dtypes must be the same on every rank; if not, every rank raises a
+    ``ValueError`` naming the ranks and the first difference. The input is not modified.
+
+    >>> import fddp, torch
+    >>> params = fddp.replicate({"w": torch.ones(2)})
+    >>> params["w"]
+    tensor([1., 1.])
+    """
+    n = world_size(group)
+    if n == 1:
+        return tree
+    paths, leaves, spec = leaves_with_paths(tree)
+    tensor_meta = [
+        (p, tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else (p, "value")
+        for p, x in zip(paths, leaves)
+    ]
+    values = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+    mine = (str(spec), tensor_meta, values)
+    gathered: list[Any] = [None] * n
+    dist.all_gather_object(gathered, mine, group=group)
+    src_spec, src_meta, src_values = gathered[_group_rank(group, src)]
+    differing = [r for r, (s, m, _) in enumerate(gathered) if (s, m) != (src_spec, src_meta)]
+    if differing:
+        theirs = gathered[differing[0]][1]
+        first = next((a, b) for a, b in zip([*theirs, None], [*src_meta, None]) if a != b)
+        raise ValueError(
+            f"fddp.replicate: ranks {differing} hold a tree that differs from rank {src}'s "
+            f"(first difference: {first[0]} vs {first[1]}). Build the same parameter tree on "
+            "every rank (same model code and config) before replicating it."
+        )
+    out = list(src_values)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            by_device.setdefault(leaf.device, []).append(i)
+    for device, idx in by_device.items():
+        flat = pack_bytes([leaves[i] for i in idx]).to(device)
+        dist.broadcast(flat, src=src, group=group)
+        for i, t in zip(idx, unpack_bytes(flat, [leaves[i] for i in idx])):
+            out[i] = t
+    return optree.tree_unflatten(spec, out)
+
+
+def _group_rank(group: dist.ProcessGroup | None, global_rank: int) -> int:
+    return global_rank if group is None else dist.get_group_rank(group, global_rank)
+
+
+def shard(
+    global_batch: Any, *, uneven: bool = False, group: dist.ProcessGroup | None = None
+) -> Any:
+    """This rank's slice, along dim 0, of every tensor leaf of ``global_batch``.
+
+    Rank ``r`` of ``n`` gets rows ``[r*B/n, (r+1)*B/n)``. A leading dimension that does not
+    divide by ``n`` is a ``ValueError`` unless ``uneven=True``, which gives the first ranks one
+    row more (as ``torch.tensor_split``). Non-tensor leaves are returned unchanged. The slices
+    are views of the input.
+
+    >>> import fddp, torch
+    >>> fddp.shard({"x": torch.arange(4)})["x"]
+    tensor([0, 1, 2, 3])
+    """
+    n, r = world_size(group), rank(group)
+    paths, leaves, spec = leaves_with_paths(global_batch)
+    out = []
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+            continue
+        if leaf.dim() == 0:
+            raise ValueError(
+                f"fddp.shard: leaf {path} is a 0-d tensor and has no batch dimension to split; "
+                "keep scalars out of the batch tree or give them a leading dimension."
+            )
+        if leaf.shape[0] % n and not uneven:
+            raise ValueError(
+                f"fddp.shard: leaf {path} has {leaf.shape[0]} rows, which does not split evenly "
+                f"over {n} ranks. Drop or pad the remainder (a global batch size divisible by "
+                f"{n}), or pass uneven=True and weight the mean by rows per rank."
+            )
+        out.append(torch.tensor_split(leaf, n)[r])
+    return optree.tree_unflatten(spec, out)
