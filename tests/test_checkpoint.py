@@ -1,0 +1,322 @@
+"""Tests for fddp.save / fddp.load: round trip, structure checks, atomicity, safe loading."""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import os
+import socket
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fddp import _checkpoint
+from fddp._checkpoint import load, save
+
+
+class Mode(enum.IntEnum):
+    TRAIN = 0
+    EVAL = 1
+
+
+class AdamState(NamedTuple):
+    count: torch.Tensor
+    mu: dict
+    nu: dict
+
+
+def make_tree(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    params = {
+        "layer": {"weight": torch.randn(4, 3, generator=g), "bias": torch.randn(4, generator=g)},
+        "emb": torch.randn(5, 2, generator=g).to(torch.bfloat16),
+    }
+    zeros = lambda p: {k: torch.zeros_like(v) for k, v in p["layer"].items()}
+    return {
+        "params": params,
+        "opt_state": [
+            AdamState(torch.tensor(seed, dtype=torch.int64), zeros(params), zeros(params)),
+            None,
+        ],
+        "step": 100 + seed,
+        "data": {"file": f"shard-{seed}.bin", "offset": 0.5 + seed, "done": bool(seed)},
+    }
+
+
+def assert_trees_equal(a, b) -> None:
+    import optree
+
+    a_leaves, a_spec = optree.tree_flatten(a)
+    b_leaves, b_spec = optree.tree_flatten(b)
+    assert a_spec == b_spec
+    for x, y in zip(a_leaves, b_leaves):
+        assert type(x) is type(y)
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype
+            assert torch.equal(x, y)
+        else:
+            assert x == y
+
+
+def test_round_trip_nested_tree(tmp_path: Path) -> None:
+    tree = make_tree(seed=1)
+    path = tmp_path / "ckpt.pt"
+    save(path, tree)
+    restored = load(path, like=make_tree(seed=0))
+    assert_trees_equal(restored, tree)
+    assert isinstance(restored["opt_state"][0], AdamState)
+    assert restored["opt_state"][1] is None
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+def test_save_replaces_previous_checkpoint(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt.pt")
+    save(path, make_tree(seed=0))
+    save(path, make_tree(seed=1))
+    assert_trees_equal(load(path, like=make_tree(seed=0)), make_tree(seed=1))
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+def test_single_tensor_and_load_without_like(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pt"
+    save(path, torch.arange(3))
+    assert torch.equal(load(path, like=torch.zeros(3, dtype=torch.int64)), torch.arange(3))
+    save(path, make_tree())
+    flat = load(path)
+    assert flat["['step']"] == 100
+    assert torch.equal(
+        flat["['params']['layer']['weight']"], make_tree()["params"]["layer"]["weight"]
+    )
+    assert "['opt_state'][0].mu['bias']" in flat
+
+
+def test_missing_and_extra_leaves_are_named(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pt"
+    save(path, make_tree())
+    like = make_tree()
+    like["params"]["head"] = torch.zeros(2)
+    del like["data"]["offset"]
+    with pytest.raises(ValueError, match="structure of `like`") as info:
+        load(path, like=like)
+    msg = str(info.value)
+    assert "in `like` but not in the file: ['params']['head']" in msg
+    assert "in the file but not in `like`: ['data']['offset']" in msg
+
+
+def test_shape_dtype_and_type_mismatches_are_named(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pt"
+    save(path, make_tree())
+    like = make_tree()
+    like["params"]["layer"]["weight"] = torch.zeros(3, 4)
+    like["params"]["emb"] = torch.zeros(5, 2)
+    like["step"] = 1.0
+    like["opt_state"][0] = like["opt_state"][0]._replace(count=7)
+    with pytest.raises(ValueError, match=r"does not match `like` \(4 mismatches\)") as info:
+        load(path, like=like)
+    msg = str(info.value)
+    assert "['params']['layer']['weight']: shape (4, 3) in the file, (3, 4) in like" in msg
+    assert "['params']['emb']: dtype torch.bfloat16 in the file, torch.float32 in like" in msg
+    assert "['step']: int in the file, float in like" in msg
+    assert "['opt_state'][0].count: Tensor in the file, int in like" in msg
+
+
+def test_unsupported_leaf_is_refused_before_writing(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"leaf \['fn'\] of type object: checkpoint leaves must be"):
+        save(tmp_path / "ckpt.pt", {"w": torch.ones(1), "fn": object()})
+    with pytest.raises(TypeError, match=r"leaf \['mode'\] of type Mode"):
+        save(tmp_path / "ckpt.pt", {"mode": Mode.EVAL})
+    assert os.listdir(tmp_path) == []
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope.pt"
+    with pytest.raises(FileNotFoundError, match=r"nope\.pt"):
+        load(path, like=make_tree())
+
+
+@pytest.mark.parametrize("exc", [OSError("No space left on device"), KeyboardInterrupt()])
+def test_interrupted_save_keeps_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exc: BaseException
+) -> None:
+    path = tmp_path / "ckpt.pt"
+    save(path, make_tree(seed=0))
+    before = path.read_bytes()
+    real_save = torch.save
+
+    def half_then_fail(obj, f, *args, **kwargs):
+        import io
+
+        buf = io.BytesIO()
+        real_save(obj, buf)
+        f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+        raise exc
+
+    monkeypatch.setattr(torch, "save", half_then_fail)
+    with pytest.raises(type(exc)):
+        save(path, make_tree(seed=1))
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+    assert_trees_equal(load(path, like=make_tree()), make_tree(seed=0))
+
+
+@pytest.mark.parametrize("keep", [0, 20, 60, 0.5, -1])
+def test_truncated_file_gives_clear_error(tmp_path: Path, keep: float) -> None:
+    path = tmp_path / "ckpt.pt"
+    save(path, make_tree())
+    data = path.read_bytes()
+    cut = int(len(data) * keep) if isinstance(keep, float) else keep % len(data)
+    path.write_bytes(data[:cut])
+    with pytest.raises(ValueError, match=r"is corrupted or truncated .*previous checkpoint"):
+        load(path, like=make_tree())
+
+
+def test_flipped_byte_fails_checksum(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pt"
+    save(path, make_tree())
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"corrupted or truncated \(SHA-256 checksum mismatch\)"):
+        load(path, like=make_tree())
+
+
+def test_newer_format_version_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pt"
+    save(path, make_tree())
+    data = bytearray(path.read_bytes())
+    data[8:12] = (99).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"format version 99.*upgrade fddp"):
+        load(path, like=make_tree())
+
+
+def _mark(marker: str) -> None:
+    Path(marker).write_text("code from the checkpoint ran")
+
+
+class Malicious:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (_mark, (self.marker,))
+
+
+def test_weights_only_refuses_pickled_code(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pt"
+    marker = tmp_path / "pwned"
+    payload = {"format": "fddp.checkpoint", "version": 1, "structure": "*", "paths": ["<root>"]}
+    # A well-formed, correctly checksummed file whose payload carries a code-running object.
+    _checkpoint._write_atomic(str(path), {**payload, "leaves": [Malicious(str(marker))]})
+    with pytest.raises(ValueError, match=r"refusing to unpickle .*weights_only=True.*_mark"):
+        load(path, like=torch.zeros(1))
+    assert not marker.exists()
+
+    # The payload is really malicious: a trusting unpickler runs it.
+    with open(path, "rb") as f:
+        f.seek(_checkpoint._HEADER.size)
+        torch.load(f, weights_only=False)
+    assert marker.exists()
+
+
+def test_plain_torch_save_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pt"
+    marker = tmp_path / "pwned"
+    torch.save({"w": Malicious(str(marker))}, path)
+    with pytest.raises(ValueError, match=r"not an fddp checkpoint but a plain torch\.save file"):
+        load(path, like={"w": torch.zeros(1)})
+    assert not marker.exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(fn, world: int, *args, timeout: float = 120.0) -> None:
+    """Run ``fn(rank, world, port, *args)`` on ``world`` spawned processes; fail on timeout."""
+    ctx = mp.start_processes(
+        fn, args=(world, _free_port(), *args), nprocs=world, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(deadline - time.monotonic(), 0.0)):
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"ranks did not finish within {timeout} s")
+
+
+def _two_rank_worker(rank: int, world: int, port: int, tmpdir: str) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        real_write = _checkpoint._write_atomic
+        writers = []
+
+        def spy(path: str, payload: dict) -> None:
+            writers.append(rank)
+            real_write(path, payload)
+
+        _checkpoint._write_atomic = spy
+        path = os.path.join(tmpdir, "ckpt.pt")
+        # Rank-dependent values reveal whose copy the file holds.
+        tree = {"w": torch.full((3,), float(rank)), "step": 5}
+        save(path, tree)
+        restored = load(path, like=tree)  # no extra barrier: save returned, the file is there
+        assert torch.equal(restored["w"], torch.zeros(3)), restored
+        assert restored["step"] == 5
+        all_writers = [None] * world
+        dist.all_gather_object(all_writers, writers)
+        assert all_writers == [[0], []], all_writers
+
+        # A failure on rank 0 is raised on every rank instead of leaving rank 1 waiting.
+        def disk_full(path: str, payload: dict) -> None:
+            raise OSError("No space left on device")
+
+        _checkpoint._write_atomic = disk_full if rank == 0 else spy
+        expected = (OSError, "No space") if rank == 0 else (RuntimeError, "rank 0 failed")
+        with pytest.raises(expected[0], match=expected[1]):
+            save(path, {"w": torch.ones(3), "step": 6})
+        assert load(path, like=tree)["step"] == 5
+
+        # rank0_only=False: every rank writes its own file.
+        _checkpoint._write_atomic = real_write
+        own = os.path.join(tmpdir, f"rank{rank}.pt")
+        save(own, tree, rank0_only=False)
+        assert torch.equal(load(own, like=tree)["w"], tree["w"])
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_only_rank0_writes(tmp_path: Path) -> None:
+    _run_ranks(_two_rank_worker, 2, str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "rank0.pt", "rank1.pt"]
+    like = {"w": torch.zeros(3), "step": 0}
+    assert torch.equal(load(tmp_path / "rank1.pt", like=like)["w"], torch.ones(3))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_load_places_tensors_on_like_devices(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pt"
+    tree = {"a": torch.arange(3.0), "b": torch.arange(2.0, device="cuda"), "step": 1}
+    save(path, tree)
+    cuda_like = {"a": torch.zeros(3, device="cuda"), "b": torch.zeros(2, device="cuda"), "step": 0}
+    on_cuda = load(path, like=cuda_like)
+    assert on_cuda["a"].is_cuda and on_cuda["b"].is_cuda
+    mixed = load(path, like={"a": torch.zeros(3, device="cuda"), "b": torch.zeros(2), "step": 0})
+    assert mixed["a"].is_cuda and not mixed["b"].is_cuda
+    assert torch.equal(mixed["b"], torch.arange(2.0))
