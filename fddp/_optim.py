@@ -1,0 +1,667 @@
+"""Optax-style pure gradient transformations on torch's foreach kernels."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+import optree
+import torch
+
+from fddp.typing import OptState, Params, ScalarOrSchedule, TensorTree, Updates
+
+Schedule = Callable[[torch.Tensor], Any]
+
+
+class InitFn(Protocol):
+    """Builds the initial optimizer state from the parameters."""
+
+    def __call__(self, params: Params) -> OptState: ...
+
+
+class UpdateFn(Protocol):
+    """Maps ``(updates, state, params)`` to ``(new_updates, new_state)`` without mutating inputs."""
+
+    def __call__(
+        self, updates: Updates, state: OptState, params: Params | None = None
+    ) -> tuple[Updates, OptState]: ...
+
+
+class GradientTransformation(NamedTuple):
+    """A pair of pure functions: ``init(params)`` and ``update(updates, state, params=None)``.
+
+    Example:
+        >>> import torch
+        >>> from fddp.optim import sgd, apply_updates
+        >>> params = {"w": torch.tensor([1.0, 2.0])}
+        >>> opt = sgd(0.5)
+        >>> state = opt.init(params)
+        >>> updates, state = opt.update({"w": torch.tensor([1.0, 1.0])}, state, params)
+        >>> apply_updates(params, updates)["w"]
+        tensor([0.5000, 1.5000])
+    """
+
+    init: InitFn
+    update: UpdateFn
+
+
+class EmptyState(NamedTuple):
+    """The state of a transformation that keeps none."""
+
+
+class ScaleByScheduleState(NamedTuple):
+    """Step count (int64 0-d tensor) of a scheduled scale."""
+
+    count: torch.Tensor
+
+
+class TraceState(NamedTuple):
+    """Momentum buffers, one per parameter."""
+
+    trace: TensorTree
+
+
+class ScaleByAdamState(NamedTuple):
+    """Step count (int64 0-d tensor) and first and second moment estimates."""
+
+    count: torch.Tensor
+    mu: TensorTree
+    nu: TensorTree
+
+
+def _flatten(tree: TensorTree) -> tuple[list[torch.Tensor], optree.PyTreeSpec]:
+    return optree.tree_flatten(tree, none_is_leaf=False)
+
+
+def _params_like(params: Params | None, spec: optree.PyTreeSpec, who: str) -> list[torch.Tensor]:
+    if params is None:
+        raise ValueError(f"{who} needs the parameters: call update(updates, state, params).")
+    leaves, params_spec = _flatten(params)
+    if params_spec != spec:
+        raise ValueError(
+            f"{who}: params and updates have different tree structures ({params_spec} vs {spec}); "
+            "pass params with the same structure as the gradients."
+        )
+    return leaves
+
+
+def _with_scalar(
+    op: Callable[..., list[torch.Tensor]], leaves: list[torch.Tensor], scalar: Any
+) -> list[torch.Tensor]:
+    """``op(leaves, scalar)``, where a tensor scalar acts as a Python float would.
+
+    A Python float scalar is used at the precision the kernel computes in (float32 for 16-bit
+    leaves) and never changes the result's dtype; a 0-d tensor scalar is cast to match that,
+    one dtype and device group at a time, and 0-d leaves, which would promote, are cast back.
+    """
+    if not isinstance(scalar, torch.Tensor):
+        return op(leaves, scalar)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        groups.setdefault((leaf.device, leaf.dtype), []).append(i)
+    out: list[Any] = [None] * len(leaves)
+    for (device, dtype), index in groups.items():
+        compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        results = op([leaves[i] for i in index], scalar.to(device, compute))
+        if compute != dtype:
+            results = [r.to(dtype) for r in results]
+        for i, r in zip(index, results, strict=True):
+            out[i] = r
+    return out
+
+
+def _zero_count(leaves: list[torch.Tensor]) -> torch.Tensor:
+    device = leaves[0].device if leaves else None
+    return torch.zeros((), dtype=torch.int64, device=device)
+
+
+def _check_schedule(value: ScalarOrSchedule, name: str) -> None:
+    if not (callable(value) or isinstance(value, (int, float, torch.Tensor))):
+        raise TypeError(
+            f"{name} must be a number or a schedule (a function of the step count); "
+            f"got {type(value).__name__}."
+        )
+
+
+def identity() -> GradientTransformation:
+    """Leaves the updates unchanged.
+
+    Example:
+        >>> import torch
+        >>> from fddp.optim import identity
+        >>> opt = identity()
+        >>> opt.update([torch.tensor(3.0)], opt.init([torch.tensor(0.0)]))[0]
+        [tensor(3.)]
+    """
+
+    def init(params: Params) -> EmptyState:
+        return EmptyState()
+
+    def update(
+        updates: Updates, state: OptState, params: Params | None = None
+    ) -> tuple[Updates, OptState]:
+        return updates, state
+
+    return GradientTransformation(init, update)
+
+
+def scale(step_size: float) -> GradientTransformation:
+    """Multiplies the updates by a constant.
+
+    Args:
+        step_size: The factor.
+
+    Example:
+        >>> import torch
+        >>> from fddp.optim import scale
+        >>> opt = scale(-2.0)
+        >>> opt.update({"w": torch.tensor(1.5)}, opt.init({"w": torch.tensor(0.0)}))[0]
+        {'w': tensor(-3.)}
+    """
+
+    def init(params: Params) -> EmptyState:
+        return EmptyState()
+
+    def update(
+        updates: Updates, state: OptState, params: Params | None = None
+    ) -> tuple[Updates, OptState]:
+        leaves, spec = _flatten(updates)
+        if not leaves:
+            return updates, state
+        return optree.tree_unflatten(
+            spec, _with_scalar(torch._foreach_mul, leaves, step_size)
+        ), state
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
+    """Multiplies the updates by ``step_size_fn(count)``, where ``count`` counts earlier updates.
+
+    Args:
+        step_size_fn: A function of the step count (an int64 0-d tensor, 0 on the first update)
+            returning a float or a 0-d tensor.
+
+    Example:
+        >>> import torch
+        >>> from fddp.optim import scale_by_schedule
+        >>> opt = scale_by_schedule(lambda count: 1.0 + count)
+        >>> state = opt.init([torch.tensor(0.0)])
+        >>> updates, state = opt.update([torch.tensor(2.0)], state)
+        >>> updates, state = opt.update([torch.tensor(2.0)], state)
+        >>> updates, state.count
+        ([tensor(4.)], tensor(2))
+    """
+    _check_schedule(step_size_fn, "step_size_fn")
+
+    def init(params: Params) -> ScaleByScheduleState:
+        return ScaleByScheduleState(count=_zero_count(_flatten(params)[0]))
+
+    def update(
+        updates: Updates, state: OptState, params: Params | None = None
+    ) -> tuple[Updates, OptState]:
+        leaves, spec = _flatten(updates)
+        new_state = ScaleByScheduleState(count=state.count + 1)
+        if not leaves:
+            return updates, new_state
+        factor = step_size_fn(state.count)
+        return optree.tree_unflatten(
+            spec, _with_scalar(torch._foreach_mul, leaves, factor)
+        ), new_state
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_learning_rate(
+    learning_rate: ScalarOrSchedule, *, flip_sign: bool = True
+) -> GradientTransformation:
+    """Multiplies the updates by ``-learning_rate`` (by ``learning_rate`` if not ``flip_sign``).
+
+    Args:
+        learning_rate: A float, or a schedule: a function of the step count.
+        flip_sign: Negate, so that the updates descend when added to the parameters.
+
+    Example:
+        >>> import torch
+        >>> from fddp.optim import scale_by_learning_rate
+        >>> opt = scale_by_learning_rate(0.1)
+        >>> opt.update([torch.tensor(2.0)], opt.init([torch.tensor(0.0)]))[0]
+        [tensor(-0.2000)]
+    """
+    _check_schedule(learning_rate, "learning_rate")
+    sign = -1.0 if flip_sign else 1.0
+    if callable(learning_rate):
+        return scale_by_schedule(lambda count: sign * learning_rate(count))
+    return scale(sign * learning_rate)
+
+
+def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
+    """Adds ``weight_decay * params`` to the updates.
+
+    Before an Adam or momentum transformation this is L2 regularisation (``torch.optim.Adam``'s
+    ``weight_decay``); after it and before the learning rate it is decoupled weight decay
+    (``torch.optim.AdamW``).
+
+    Args:
+        weight_decay: The coefficient.
+
+    Example:
+        >>> import torch
+        >>> from fddp.optim import add_decayed_weights
+        >>> opt = add_decayed_weights(0.5)
+        >>> params = [torch.tensor(4.0)]
+        >>> opt.update([torch.tensor(1.0)], opt.init(params), params)[0]
+        [tensor(3.)]
+    """
+
+    def init(params: Params) -> EmptyState:
+        return EmptyState()
+
+    def update(
+        updates: Updates, state: OptState, params: Params | None = None
+    ) -> tuple[Updates, OptState]:
+        leaves, spec = _flatten(updates)
+        param_leaves = _params_like(params, spec, "add_decayed_weights")
+        if not leaves:
+            return updates, state
+        new = torch._foreach_add(leaves, param_leaves, alpha=weight_decay)
+        return optree.tree_unflatten(spec, new), state
+
+    return GradientTransformation(init, update)
+
+
+def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
+    """Momentum: ``trace = decay * trace + updates``, as ``torch.optim.SGD`` with no dampening.
+
+    The trace starts at zero, so after the first update it equals the gradient, as torch's
+    momentum buffer does. With ``nesterov`` the output is ``updates + decay * trace``.
+
+    Args:
+        decay: The momentum coefficient.
+        nesterov: Use Nesterov momentum.
+
+    Example:
+        >>> import torch
+        >>> from fddp.optim import trace
+        >>> opt = trace(0.5)
+        >>> state = opt.init([torch.tensor(0.0)])
+        >>> updates, state = opt.update([torch.tensor(2.0)], state)
+        >>> updates, state = opt.update([torch.tensor(2.0)], state)
+        >>> updates
+        [tensor(3.)]
+    """
+
+    def init(params: Params) -> TraceState:
+        return TraceState(trace=optree.tree_map(torch.zeros_like, params, none_is_leaf=False))
+
+    def update(
+        updates: Updates, state: OptState, params: Params | None = None
+    ) -> tuple[Updates, OptState]:
+        leaves, spec = _flatten(updates)
+        if not leaves:
+            return updates, state
+        buf = torch._foreach_add(torch._foreach_mul(_flatten(state.trace)[0], decay), leaves)
+        out = torch._foreach_add(leaves, buf, alpha=decay) if nesterov else buf
+        return optree.tree_unflatten(spec, out), TraceState(trace=optree.tree_unflatten(spec, buf))
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """Rescales updates by Adam's bias-corrected moment estimates, in ``torch.optim.Adam``'s order.
+
+    ``mu`` and ``nu`` are exponential averages of the gradient and its square; the output is
+    ``mu / (sqrt(nu) / sqrt(1 - b2**t) + eps) / (1 - b1**t)`` at step ``t``.
+
+    Args:
+        b1: Decay of the first moment.
+        b2: Decay of the second moment.
+        eps: Added to the denominator.
+
+    Example:
+        >>> import torch
+        >>> from fddp.optim import scale_by_adam
+        >>> opt = scale_by_adam()
+        >>> updates, state = opt.update([torch.tensor(-3.0)], opt.init([torch.tensor(0.0)]))
+        >>> updates, state.count
+        ([tensor(-1.)], tensor(1))
+    """
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        raise ValueError(f"b1 and b2 must be in [0, 1); got b1={b1}, b2={b2}.")
+
+    def init(params: Params) -> ScaleByAdamState:
+        mu = optree.tree_map(torch.zeros_like, params, none_is_leaf=False)
+        nu = optree.tree_map(torch.zeros_like, params, none_is_leaf=False)
+        return ScaleByAdamState(count=_zero_count(_flatten(params)[0]), mu=mu, nu=nu)
+
+    def update(
+        updates: Updates, state: OptState, params: Params | None = None
+    ) -> tuple[Updates, OptState]:
+        leaves, spec = _flatten(updates)
+        count = state.count + 1
+        if not leaves:
+            return updates, ScaleByAdamState(count, state.mu, state.nu)
+        mu = torch._foreach_lerp(_flatten(state.mu)[0], leaves, 1.0 - b1)
+        nu = torch._foreach_mul(_flatten(state.nu)[0], b2)
+        nu = torch._foreach_addcmul(nu, leaves, leaves, value=1.0 - b2)
+        # float64 like torch's Python-float bias corrections; 1 - 0.999**t is imprecise in float32.
+        t = count.to(torch.float64)
+        bias_correction1 = 1.0 - b1**t
+        bias_correction2_sqrt = torch.sqrt(1.0 - b2**t)
+        denom = torch._foreach_add(
+            _with_scalar(torch._foreach_div, torch._foreach_sqrt(nu), bias_correction2_sqrt), eps
+        )
+        out = _with_scalar(torch._foreach_div, torch._foreach_div(mu, denom), bias_correction1)
+        new_state = ScaleByAdamState(
+            count=count, mu=optree.tree_unflatten(spec, mu), nu=optree.tree_unflatten(spec, nu)
+        )
+        return optree.tree_unflatten(spec, out), new_state
+
+    return GradientTransformation(init, update)
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    """Scales the updates so that their global L2 norm is at most ``max_norm``.
+
+    Same formula as ``torch.nn.utils.clip_grad_norm_``: the factor is
+    ``min(1, max_norm / (norm + 1e-6))``, applied without branching on the norm's value.
+
+    Args:
+        max_norm: The largest global norm let through.
+
+    Example:
+        >>> import torch
+        >>> from fddp.optim import clip_by_global_norm
+        >>> opt = clip_by_global_norm(1.0)
+        >>> opt.update([torch.tensor([3.0, 4.0])], opt.init(None))[0]
+        [tensor([0.6000, 0.8000])]
+    """
+    if max_norm <= 0:
+        raise ValueError(f"max_norm must be positive; got {max_norm}.")
+
+    def init(params: Params) -> EmptyState:
+        return EmptyState()
+
+    def update(
+        updates: Updates, state: OptState, params: Params | None = None
+    ) -> tuple[Updates, OptState]:
+        leaves, spec = _flatten(updates)
+        if not leaves:
+            return updates, state
+        norm = global_norm(leaves)
+        factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        return optree.tree_unflatten(spec, _with_scalar(torch._foreach_mul, leaves, factor)), state
+
+    return GradientTransformation(init, update)
+
+
+def global_norm(tree: TensorTree) -> torch.Tensor:
+    """The L2 norm of all leaves of ``tree`` taken together.
+
+    Example:
+        >>> import torch
+        >>> from fddp.optim import global_norm
+        >>> global_norm({"a": torch.tensor([3.0]), "b": [torch.tensor([4.0])]})
+        tensor(5.)
+    """
+    leaves = _flatten(tree)[0]
+    if not leaves:
+        return torch.zeros(())
+    norms = torch._foreach_norm(leaves)
+    device = norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Applies transformations one after the other; the state is the tuple of their states.
+
+    Example:
+        >>> import torch
+        >>> from fddp.optim import chain, clip_by_global_norm, scale
+        >>> opt = chain(clip_by_global_norm(1.0), scale(-0.1))
+        >>> opt.update([torch.tensor([3.0, 4.0])], opt.init(None))[0]
+        [tensor([-0.0600, -0.0800])]
+    """
+    for t in transforms:
+        if not (callable(getattr(t, "init", None)) and callable(getattr(t, "update", None))):
+            raise TypeError(
+                f"chain() takes GradientTransformations, got {type(t).__name__}; "
+                "call the factory, e.g. chain(clip_by_global_norm(1.0), sgd(0.1))."
+            )
+
+    def init(params: Params) -> tuple[OptState, ...]:
+        return tuple(t.init(params) for t in transforms)
+
+    def update(
+        updates: Updates, state: OptState, params: Params | None = None
+    ) -> tuple[Updates, OptState]:
+        if len(state) != len(transforms):
+            raise ValueError(
+                f"chain of {len(transforms)} transformations got a state of {len(state)}; "
+                "pass the state returned by this chain's init or update."
+            )
+        new_state = []
+        for t, s in zip(transforms, state, strict=True):
+            updates, s = t.update(updates, s, params)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    return GradientTransformation(init, update)
+
+
+def apply_updates(params: Params, updates: Updates) -> Params:
+    """Returns ``params + updates`` as new tensors, in the parameters' dtypes.
+
+    Example:
+        >>> import torch
+        >>> from fddp.optim import apply_updates
+        >>> apply_updates({"w": torch.tensor(1.0)}, {"w": torch.tensor(-0.25)})
+        {'w': tensor(0.7500)}
+    """
+    leaves, spec = _flatten(params)
+    update_leaves, update_spec = _flatten(updates)
+    if update_spec != spec:
+        raise ValueError(
+            f"apply_updates: params and updates have different tree structures "
+            f"({spec} vs {update_spec}); the updates must come from gradients of these params."
+        )
+    if not leaves:
+        return params
+    update_leaves = [u.to(p.dtype) for p, u in zip(leaves, update_leaves, strict=True)]
+    return optree.tree_unflatten(spec, torch._foreach_add(leaves, update_leaves))
+
+
+def sgd(
+    learning_rate: ScalarOrSchedule,
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+) -> GradientTransformation:
+    """Stochastic gradient descent, step for step as ``torch.optim.SGD`` (no dampening).
+
+    Args:
+        learning_rate: A float, or a schedule: a function of the step count.
+        momentum: Momentum coefficient; 0 keeps no state.
+        nesterov: Use Nesterov momentum (needs ``momentum > 0``).
+        weight_decay: L2 coefficient added to the gradient before momentum.
+
+    Example:
+        >>> import torch
+        >>> from fddp.optim import sgd, apply_updates
+        >>> opt = sgd(0.1, momentum=0.9)
+        >>> params = [torch.tensor(1.0)]
+        >>> state = opt.init(params)
+        >>> updates, state = opt.update([torch.tensor(1.0)], state, params)
+        >>> apply_updates(params, updates)
+        [tensor(0.9000)]
+    """
+    if momentum < 0:
+        raise ValueError(f"momentum must be non-negative; got {momentum}.")
+    if nesterov and momentum <= 0:
+        raise ValueError("nesterov=True needs momentum > 0.")
+    return chain(
+        add_decayed_weights(weight_decay) if weight_decay else identity(),
+        trace(momentum, nesterov) if momentum else identity(),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+def adam(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> GradientTransformation:
+    """Adam, step for step as ``torch.optim.Adam`` (L2 weight decay added to the gradient).
+
+    Args:
+        learning_rate: A float, or a schedule: a function of the step count.
+        b1: Decay of the first moment.
+        b2: Decay of the second moment.
+        eps: Added to the denominator.
+        weight_decay: L2 coefficient added to the gradient.
+
+    Example:
+        >>> import torch
+        >>> from fddp.optim import adam, apply_updates
+        >>> opt = adam(0.1)
+        >>> params = [torch.tensor(1.0)]
+        >>> updates, state = opt.update([torch.tensor(5.0)], opt.init(params), params)
+        >>> apply_updates(params, updates)
+        [tensor(0.9000)]
+    """
+    return chain(
+        add_decayed_weights(weight_decay) if weight_decay else identity(),
+        scale_by_adam(b1, b2, eps),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+def adamw(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+) -> GradientTransformation:
+    """AdamW, step for step as ``torch.optim.AdamW``: params decay by ``lr * weight_decay``.
+
+    Args:
+        learning_rate: A float, or a schedule: a function of the step count.
+        b1: Decay of the first moment.
+        b2: Decay of the second moment.
+        eps: Added to the denominator.
+        weight_decay: Decoupled decay coefficient, scaled by the learning rate.
+
+    Example:
+        >>> import torch
+        >>> from fddp.optim import adamw, apply_updates
+        >>> opt = adamw(0.1, weight_decay=0.5)
+        >>> params = [torch.tensor(1.0)]
+        >>> updates, state = opt.update([torch.tensor(5.0)], opt.init(params), params)
+        >>> apply_updates(params, updates)
+        [tensor(0.8500)]
+    """
+    return chain(
+        scale_by_adam(b1, b2, eps),
+        add_decayed_weights(weight_decay) if weight_decay else identity(),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+def constant_schedule(value: float) -> Schedule:
+    """A schedule that always returns ``value``.
+
+    Example:
+        >>> import torch
+        >>> from fddp.optim import constant_schedule
+        >>> constant_schedule(0.1)(torch.tensor(7))
+        0.1
+    """
+    return lambda count: value
+
+
+def linear_schedule(
+    init_value: float, end_value: float, transition_steps: int, transition_begin: int = 0
+) -> Schedule:
+    """Goes linearly from ``init_value`` to ``end_value`` over ``transition_steps`` steps.
+
+    Holds ``init_value`` for the first ``transition_begin`` steps and ``end_value`` after the
+    transition. The value is a float64 0-d tensor on the count's device.
+
+    Example:
+        >>> import torch
+        >>> from fddp.optim import linear_schedule
+        >>> linear_schedule(1.0, 0.0, transition_steps=4)(torch.tensor(1))
+        tensor(0.7500, dtype=torch.float64)
+    """
+    if transition_steps <= 0:
+        raise ValueError(f"transition_steps must be positive; got {transition_steps}.")
+
+    def schedule(count: torch.Tensor) -> torch.Tensor:
+        t = torch.clamp(count.to(torch.float64) - transition_begin, 0, transition_steps)
+        return init_value + (end_value - init_value) * (t / transition_steps)
+
+    return schedule
+
+
+def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.0) -> Schedule:
+    """Cosine decay from ``init_value`` to ``alpha * init_value`` over ``decay_steps`` steps.
+
+    The value is a float64 0-d tensor on the count's device.
+
+    Example:
+        >>> import torch
+        >>> from fddp.optim import cosine_decay_schedule
+        >>> cosine_decay_schedule(1.0, decay_steps=10)(torch.tensor(5))
+        tensor(0.5000, dtype=torch.float64)
+    """
+    if decay_steps <= 0:
+        raise ValueError(f"decay_steps must be positive; got {decay_steps}.")
+
+    def schedule(count: torch.Tensor) -> torch.Tensor:
+        t = torch.clamp(count.to(torch.float64), max=decay_steps)
+        cosine = 0.5 * (1.0 + torch.cos(math.pi * t / decay_steps))
+        return init_value * ((1.0 - alpha) * cosine + alpha)
+
+    return schedule
+
+
+def warmup_cosine_decay_schedule(
+    init_value: float,
+    peak_value: float,
+    warmup_steps: int,
+    decay_steps: int,
+    end_value: float = 0.0,
+) -> Schedule:
+    """Linear warmup from ``init_value`` to ``peak_value``, then cosine decay to ``end_value``.
+
+    ``decay_steps`` counts the warmup too, as in optax: the value reaches ``end_value`` at step
+    ``decay_steps``. The value is a float64 0-d tensor on the count's device.
+
+    Example:
+        >>> import torch
+        >>> from fddp.optim import warmup_cosine_decay_schedule
+        >>> s = warmup_cosine_decay_schedule(0.0, 1.0, warmup_steps=2, decay_steps=6)
+        >>> [round(s(torch.tensor(i)).item(), 3) for i in (0, 1, 2, 4, 6, 9)]
+        [0.0, 0.5, 1.0, 0.5, 0.0, 0.0]
+    """
+    if not 0 <= warmup_steps < decay_steps:
+        raise ValueError(
+            f"need 0 <= warmup_steps < decay_steps; got warmup_steps={warmup_steps}, "
+            f"decay_steps={decay_steps}."
+        )
+    cooldown = decay_steps - warmup_steps
+
+    def schedule(count: torch.Tensor) -> torch.Tensor:
+        t = count.to(torch.float64)
+        warm = init_value + (peak_value - init_value) * (t / max(warmup_steps, 1))
+        s = torch.clamp(t - warmup_steps, 0, cooldown)
+        cool = end_value + (peak_value - end_value) * 0.5 * (
+            1.0 + torch.cos(math.pi * s / cooldown)
+        )
+        return torch.where(t < warmup_steps, warm, cool)
+
+    return schedule
