@@ -4,6 +4,7 @@ from fddp._collectives import all_gather, axis_index, axis_size, broadcast, pmea
 from fddp._grad import grad, value_and_grad
 from fddp._module import functional, state
 from fddp._runtime import init, rank, replicate, shard, world_size
+from fddp._transform import data_parallel
 
 __version__ = "0.1.0"
 
@@ -12,6 +13,7 @@ __all__ = [
     "axis_index",
     "axis_size",
     "broadcast",
+    "data_parallel",
     "functional",
     "grad",
     "init",

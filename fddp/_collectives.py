@@ -9,16 +9,17 @@ into flat buckets. Under ``fddp.vmap`` the same calls reduce over the mapped dim
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import optree
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.fx.traceback as fx_traceback
 
 from fddp import _axes, _runtime
 from fddp._axes import DEFAULT_AXIS
+from fddp._tree import leaves_with_paths, tensor_leaves
 
 EAGER_BUCKET_BYTES = 25 * 2**20
 
@@ -138,22 +139,25 @@ def process_axis(name: str, group: dist.ProcessGroup | None) -> ProcessAxis:
     return ProcessAxis(name, group.group_name, dist.get_world_size(group), dist.get_rank(group))
 
 
-@functools.lru_cache(maxsize=1)
-def _cached_default_axis(world_name: str) -> ProcessAxis:
+def default_process_axis() -> ProcessAxis:
+    """The axis ``"data"`` means outside every transform: the default process group."""
     return process_axis(DEFAULT_AXIS, None)
 
 
-def default_process_axis() -> ProcessAxis:
-    """The axis ``"data"`` means outside every transform: the default process group."""
-    _runtime.init()
-    return _cached_default_axis(dist.group.WORLD.group_name)
-
-
 def _map_tensors(tree: Any, what: str, fn: Any) -> Any:
-    from fddp._tree import tensor_leaves
+    """Apply ``fn(list_of_leaves)`` to the tensor leaves of ``tree``.
 
+    While tracing, each leaf goes through ``fn`` alone inside an annotation naming its path, so
+    the scheduler can bucket the per-leaf collectives and report which leaves each bucket holds.
+    """
     leaves, spec = tensor_leaves(tree, what)
-    return optree.tree_unflatten(spec, fn(leaves))
+    if not torch.compiler.is_compiling():
+        return optree.tree_unflatten(spec, fn(leaves))
+    out = []
+    for path, leaf in zip(leaves_with_paths(tree)[0], leaves):
+        with fx_traceback.annotate({"fddp_leaf": path}):
+            out.extend(fn([leaf]))
+    return optree.tree_unflatten(spec, out)
 
 
 def psum(tree: Any, axis_name: str = DEFAULT_AXIS) -> Any:

@@ -1,0 +1,1 @@
+"""The step compiler: capture, bucket pass, overlap pass, donation, fingerprint, backends."""

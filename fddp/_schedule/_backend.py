@@ -1,0 +1,31 @@
+"""Backends: run the scheduled aten graph as Python (FX) or hand it to Inductor."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import fx
+
+Runner = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+def fx_runner(gm: fx.GraphModule) -> Runner:
+    """Run the graph's generated Python code; each collective launches where it stands."""
+    gm.recompile()
+    forward = gm.forward
+    return lambda inputs: forward(*inputs)
+
+
+def inductor_runner(gm: fx.GraphModule) -> Runner:
+    """Compile the scheduled graph with Inductor."""
+    compiled = torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False)
+    return lambda inputs: compiled(*inputs)
+
+
+def build(gm: fx.GraphModule, compile: bool | str) -> Runner:
+    if compile in (False, None, "fx"):
+        return fx_runner(gm)
+    if compile in (True, "inductor"):
+        return inductor_runner(gm)
+    raise ValueError(f"compile={compile!r}: use False (run the FX graph) or True/'inductor'.")

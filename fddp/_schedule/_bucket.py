@@ -1,0 +1,166 @@
+"""Bucket pass: merge the per-leaf all-reduces into one all-reduce per flat bucket.
+
+Gradients are grouped in the order the backward pass produces them, per (group, op, dtype,
+device), the first bucket capped at ``first_cap`` bytes and the rest at ``cap`` (a leaf larger
+than the cap travels alone), as DDP does. A bucket never holds an all-reduce whose result is
+needed before another member's input exists, so merging cannot create a cycle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+from torch import fx
+
+from fddp._schedule._graph import (
+    ALL_REDUCE,
+    WAIT,
+    in_place_writes,
+    nbytes,
+    positions,
+    ready_position,
+    value,
+)
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass
+class Member:
+    """One per-leaf all-reduce: its input, its result, and where it is ready and first needed."""
+
+    collective: fx.Node
+    wait: fx.Node
+    source: fx.Node
+    ready: int
+    first_use: int
+    key: tuple
+    path: str
+
+
+@dataclasses.dataclass
+class BucketNodes:
+    """The nodes that one bucket added to the graph."""
+
+    index: int
+    members: list[Member]
+    nbytes: int
+    launch: fx.Node
+    wait: fx.Node
+
+
+def find_members(graph: fx.Graph) -> list[Member]:
+    """Every all-reduce whose result is consumed only through one wait, in ready order."""
+    pos = positions(graph)
+    writes = in_place_writes(graph)
+    members = []
+    for node in graph.nodes:
+        if node.target is not ALL_REDUCE or len(node.users) != 1:
+            continue
+        (wait,) = node.users
+        if wait.target is not WAIT or not wait.users:
+            continue
+        ready = ready_position(pos, writes, node.args[0], node)
+        first_use = min(pos[u] for u in wait.users)
+        source, op, group = node.args
+        val = value(source)
+        path = node.meta.get("custom", {}).get("fddp_leaf", source.name)
+        key = (group, op, val.dtype, val.device)
+        members.append(Member(node, wait, source, ready, first_use, key, path))
+    members.sort(key=lambda m: m.ready)
+    return members
+
+
+def assign(members: list[Member], cap: int, first_cap: int) -> list[list[Member]]:
+    """Group members (sorted by ready position) into buckets; pure, no graph changes."""
+    open_buckets: dict[tuple, tuple[list[Member], int, int]] = {}
+    done: list[list[Member]] = []
+    for m in members:
+        size = nbytes(m.source)
+        if m.key in open_buckets:
+            bucket, used, deadline = open_buckets[m.key]
+            limit = first_cap if not any(m.key == b[0].key for b in done) else cap
+            if used + size <= limit and m.ready < deadline:
+                bucket.append(m)
+                open_buckets[m.key] = (bucket, used + size, min(deadline, m.first_use))
+                continue
+            done.append(bucket)
+        open_buckets[m.key] = ([m], size, m.first_use)
+    done.extend(bucket for bucket, _, _ in open_buckets.values())
+    done.sort(key=lambda b: max(m.ready for m in b))
+    return done
+
+
+def _divisor(member: Member) -> float | None:
+    """The ``n`` of ``wait / n`` when pmean's division is the result's only use."""
+    if len(member.wait.users) != 1:
+        return None
+    (user,) = member.wait.users
+    divisor = user.args[1] if user.target is aten.div.Tensor else None
+    return divisor if isinstance(divisor, (int, float)) and user.args[0] is member.wait else None
+
+
+def rewrite(
+    graph: fx.Graph, buckets: list[list[Member]], comm_dtype: torch.dtype | None
+) -> list[BucketNodes]:
+    """Replace each bucket's per-leaf all-reduces with cat -> one all-reduce -> split views.
+
+    The new nodes go right after the last member becomes ready; the overlap pass moves the
+    waits down to their first use. A shared pmean division becomes one division of the bucket.
+    """
+    out = []
+    for index, bucket in enumerate(buckets):
+        anchor = _ready_node(graph, bucket)
+        dtype = value(bucket[0].source).dtype
+        divisors = {_divisor(m) for m in bucket}
+        fold = len(divisors) == 1 and None not in divisors
+        tag = {"fddp_bucket": index}
+        new_nodes: list[fx.Node] = []
+
+        def add(target: object, *args: object, **kwargs: object) -> fx.Node:
+            node = graph.call_function(target, args, kwargs)
+            node.meta.update(tag)
+            (new_nodes[-1] if new_nodes else anchor).append(node)
+            new_nodes.append(node)
+            return node
+
+        flats = [add(aten.reshape.default, m.source, [-1]) for m in bucket]
+        flat = add(aten.cat.default, flats) if len(flats) > 1 else flats[0]
+        if comm_dtype is not None and comm_dtype != dtype:
+            flat = add(aten._to_copy.default, flat, dtype=comm_dtype)
+        group, op = bucket[0].collective.args[2], bucket[0].collective.args[1]
+        launch = add(ALL_REDUCE, flat, op, group)
+        wait = add(WAIT, launch)
+        result = wait
+        if comm_dtype is not None and comm_dtype != dtype:
+            result = add(aten._to_copy.default, result, dtype=dtype)
+        if fold:
+            result = add(aten.div.Tensor, result, divisors.pop())
+        sizes = [value(m.source).numel() for m in bucket]
+        parts = add(aten.split_with_sizes.default, result, sizes) if len(bucket) > 1 else None
+        for i, m in enumerate(bucket):
+            part = add(operator.getitem, parts, i) if parts is not None else result
+            leaf = add(aten.view.default, part, list(value(m.source).shape))
+            old = next(iter(m.wait.users)) if fold else m.wait
+            old.replace_all_uses_with(leaf)
+            for node in (old, m.wait, m.collective) if fold else (m.wait, m.collective):
+                graph.erase_node(node)
+        _fill_meta(new_nodes)
+        out.append(BucketNodes(index, bucket, sum(nbytes(m.source) for m in bucket), launch, wait))
+    return out
+
+
+def _ready_node(graph: fx.Graph, members: list[Member]) -> fx.Node:
+    """The node after which every member's input holds the value its all-reduce would read."""
+    pos, writes = positions(graph), in_place_writes(graph)
+    ready = max(ready_position(pos, writes, m.source, m.collective) for m in members)
+    return list(graph.nodes)[ready]
+
+
+def _fill_meta(nodes: list[fx.Node]) -> None:
+    """Record the fake value of each new node, as make_fx would have."""
+    for node in nodes:
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+        node.meta["val"] = node.target(*args, **kwargs)

@@ -1,0 +1,137 @@
+"""Capture a step as one aten graph: Dynamo (fullgraph) first, then make_fx down to aten ops.
+
+Dynamo copes with real model code (it evaluates ``is_torchdynamo_compiling()`` branches and
+Python containers), ``torch.func`` transforms and functional collectives; make_fx then lowers its
+graph to aten ops with fake tensors, so nothing real is computed while capturing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch import fx
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from fddp._schedule._graph import remove_double_waits
+
+
+class CaptureError(RuntimeError):
+    """The step could not be captured as one graph."""
+
+
+class _CaptureOnly(Exception):
+    """Raised by the compiled stub to stop Dynamo from running the step right after capture."""
+
+
+@dataclasses.dataclass
+class Captured:
+    """An aten graph and where each of its inputs comes from.
+
+    ``inputs[k]`` is an index into the step's flat tensor arguments, or a tensor the step closes
+    over (a module buffer, a constant), held by reference.
+    """
+
+    graph: fx.GraphModule
+    inputs: list[int | torch.Tensor]
+    seconds: float
+
+
+def lower_to_aten(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> fx.GraphModule:
+    """Re-trace a Dynamo graph into aten ops on fake tensors, keeping node annotations."""
+    fake_mode = detect_fake_mode(example_inputs)
+    fakes = [fake_mode.from_tensor(t) for t in example_inputs]
+    with fake_mode, fx_traceback.preserve_node_meta():
+        aten = make_fx(lambda *args: fx.Interpreter(gm).run(*args))(*fakes)
+    remove_double_waits(aten.graph)
+    aten.graph.eliminate_dead_code()
+    aten.recompile()
+    return aten
+
+
+def _fresh_function(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of ``fn`` with its own code object, so it gets its own Dynamo cache."""
+    code = fn.__code__.replace()
+    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+class Capture:
+    """One Dynamo compilation of ``fn(*args)`` whose backend builds an executable.
+
+    ``make_executable(captured)`` turns the aten graph into ``run(inputs) -> outputs``. The first
+    call of :meth:`trace` stops right after capture; :meth:`run_once` then runs the step once
+    through Dynamo (which knows how to rebuild the step's Python outputs from graph outputs).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        make_executable: Callable[[Captured], Callable[[list[torch.Tensor]], list[torch.Tensor]]],
+    ) -> None:
+        self._make_executable = make_executable
+        self._stop_after_capture = True
+        self.captured: Captured | None = None
+        self.executable: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
+        self.graph_outputs: list[torch.Tensor] = []
+        self._compiled = torch.compile(
+            _fresh_function(fn), backend=self._backend, fullgraph=True, dynamic=False
+        )
+
+    def _backend(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
+        start = time.perf_counter()
+        positions = {id(t): i for i, t in enumerate(self._tensors)}
+        inputs: list[int | torch.Tensor] = [positions.get(id(t), t) for t in example_inputs]
+        aten = lower_to_aten(gm, example_inputs)
+        self.captured = Captured(aten, inputs, time.perf_counter() - start)
+        self.executable = self._make_executable(self.captured)
+
+        def call(*graph_inputs: torch.Tensor) -> list[torch.Tensor]:
+            if self._stop_after_capture:
+                raise _CaptureOnly
+            self.graph_outputs = self.executable(list(graph_inputs))
+            return self.graph_outputs
+
+        return call
+
+    def trace(self, args: tuple, tensors: list[torch.Tensor]) -> Captured:
+        """Capture the graph for ``fn(*args)`` without running it; ``tensors`` are args' leaves."""
+        self._tensors = tensors
+        start = time.perf_counter()
+        try:
+            self._compiled(*args)
+        except _CaptureOnly:
+            pass
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            raise e.inner_exception from None
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
+            raise CaptureError(_explain(e)) from e
+        finally:
+            self._tensors = []
+        assert self.captured is not None
+        self.captured.seconds = time.perf_counter() - start
+        return self.captured
+
+    def run_once(self, args: tuple) -> Any:
+        """Run the captured step once through Dynamo and return its Python output."""
+        self._stop_after_capture = False
+        try:
+            return self._compiled(*args)
+        finally:
+            self._compiled = None
+
+
+def _explain(error: Exception) -> str:
+    reason = str(error).strip().split("\n\n")[0]
+    return (
+        f"fddp.data_parallel could not capture the step as one graph: {reason}\n"
+        "Usual causes: Python control flow on tensor values (.item(), `if loss > 0`, "
+        "bool(tensor)), printing tensors, or calling code outside PyTorch inside the step. "
+        "Keep such code outside the step or express it with tensor ops (torch.where), or pass "
+        "trace=False to run the same step eagerly (collectives bucketed, no backward overlap)."
+    )

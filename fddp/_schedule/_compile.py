@@ -1,0 +1,45 @@
+"""The pipeline from an aten graph to a runnable step: bucket, overlap, describe, build."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import fx
+
+from fddp._schedule import _backend, _bucket, _overlap, _plan
+from fddp._schedule._capture import Captured
+from fddp._schedule._fingerprint import collective_sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    bucket_cap_bytes: int
+    first_bucket_cap_bytes: int
+    comm_dtype: torch.dtype | None
+    compile: bool | str
+    overlap: bool = True
+
+
+@dataclasses.dataclass
+class Program:
+    """A scheduled graph ready to run, with its plan and its collective sequence."""
+
+    graph: fx.GraphModule
+    schedule: _plan.Schedule
+    sequence: list[str]
+    run: _backend.Runner
+
+
+def schedule_graph(captured: Captured, options: Options) -> Program:
+    gm = captured.graph
+    graph = gm.graph
+    members = _bucket.find_members(graph)
+    buckets = _bucket.assign(members, options.bucket_cap_bytes, options.first_bucket_cap_bytes)
+    bucket_nodes = _bucket.rewrite(graph, buckets, options.comm_dtype)
+    if options.overlap:
+        _overlap.overlap(graph)
+    graph.lint()
+    gm.recompile()
+    plan = _plan.describe(graph, bucket_nodes, captured.seconds)
+    return Program(gm, plan, collective_sequence(graph), _backend.build(gm, options.compile))

@@ -1,0 +1,129 @@
+"""Small queries on aten FX graphs: collectives, views, mutations, sizes, positions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import fx
+
+c10d = torch.ops._c10d_functional
+ALL_REDUCE = c10d.all_reduce.default
+WAIT = c10d.wait_tensor.default
+
+_BOOKKEEPING = {
+    "getitem",
+    "t",
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "expand",
+    "permute",
+    "transpose",
+    "unsqueeze",
+    "squeeze",
+    "alias",
+    "detach",
+    "split_with_sizes",
+}
+
+
+def _overload(node: fx.Node) -> torch._ops.OpOverload | None:
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        return node.target
+    return None
+
+
+def is_collective(node: fx.Node) -> bool:
+    """A functional collective launch (not its wait)."""
+    op = _overload(node)
+    return op is not None and op.namespace == "_c10d_functional" and op is not WAIT
+
+
+def is_wait(node: fx.Node) -> bool:
+    return _overload(node) is WAIT
+
+
+def is_compute(node: fx.Node) -> bool:
+    """A node that does real work: not a placeholder, output, collective, wait or view."""
+    if node.op != "call_function" or is_collective(node) or is_wait(node):
+        return False
+    name = getattr(node.target, "__name__", "")
+    return name.split(".")[0] not in _BOOKKEEPING
+
+
+def is_view(node: fx.Node) -> bool:
+    """An op whose first output aliases its first input without writing it."""
+    op = _overload(node)
+    if op is None:
+        return node.op == "call_function" and node.target.__name__ == "getitem"
+    returns = op._schema.returns
+    return (
+        bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+    )
+
+
+def mutated_inputs(node: fx.Node) -> list[fx.Node]:
+    """The argument nodes that ``node`` writes in place."""
+    op = _overload(node)
+    if op is None:
+        return []
+    out = []
+    for arg, value in zip(op._schema.arguments, node.args):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            out.extend(v for v in _flat_nodes(value))
+    return out
+
+
+def _flat_nodes(value: object) -> Iterable[fx.Node]:
+    if isinstance(value, fx.Node):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _flat_nodes(v)
+
+
+def alias_root(node: fx.Node) -> fx.Node:
+    """Follow view ops back to the node that owns the storage."""
+    while is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def value(node: fx.Node) -> torch.Tensor:
+    """The fake tensor recorded for ``node`` at trace time."""
+    return node.meta["val"]
+
+
+def nbytes(node: fx.Node) -> int:
+    val = value(node)
+    return val.numel() * val.element_size()
+
+
+def positions(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def in_place_writes(graph: fx.Graph) -> dict[fx.Node, list[int]]:
+    """For each storage root, the positions of the nodes that write it in place."""
+    out: dict[fx.Node, list[int]] = {}
+    for i, node in enumerate(graph.nodes):
+        for arg in mutated_inputs(node):
+            out.setdefault(alias_root(arg), []).append(i)
+    return out
+
+
+def ready_position(
+    pos: dict[fx.Node, int], writes: dict[fx.Node, list[int]], source: fx.Node, reader: fx.Node
+) -> int:
+    """Where ``source`` holds the value ``reader`` sees: after its last write before ``reader``."""
+    earlier = [w for w in writes.get(alias_root(source), []) if w < pos[reader]]
+    return max([pos[source], *earlier])
+
+
+def remove_double_waits(graph: fx.Graph) -> None:
+    """``wait(wait(x))`` is ``wait(x)``: the traced collectives wrap each result twice."""
+    for node in list(graph.nodes):
+        if is_wait(node) and is_wait(node.args[0]):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)

@@ -1,0 +1,97 @@
+"""The compiled plan as data: buckets, launch and wait positions, overlap, printable as a table."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import fx
+
+from fddp._schedule._bucket import BucketNodes
+from fddp._schedule._graph import is_collective, is_compute, nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectivePlan:
+    """One collective in launch order.
+
+    Attributes:
+        kind: the functional-collective op, e.g. ``all_reduce``.
+        bucket: the bucket index for a bucketed all-reduce, else None.
+        leaves: the pytree paths of the leaves it carries.
+        nbytes: bytes of its input.
+        dtype: dtype on the wire.
+        launch: compute nodes that run before the launch.
+        wait: compute nodes that run before the wait.
+    """
+
+    kind: str
+    bucket: int | None
+    leaves: tuple[str, ...]
+    nbytes: int
+    dtype: str
+    launch: int
+    wait: int
+
+    @property
+    def overlapped(self) -> int:
+        """Compute nodes that run while this collective is in flight."""
+        return self.wait - self.launch
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """What ``data_parallel`` will run for one input signature."""
+
+    collectives: tuple[CollectivePlan, ...]
+    compute_nodes: int
+    capture_seconds: float
+
+    @property
+    def buckets(self) -> tuple[CollectivePlan, ...]:
+        return tuple(c for c in self.collectives if c.bucket is not None)
+
+    def __str__(self) -> str:
+        head = f"{'#':>3} {'kind':<14} {'MiB':>8} {'dtype':<9} {'launch':>7} {'wait':>7} "
+        head += f"{'overlap':>8}  leaves"
+        rows = [head]
+        for i, c in enumerate(self.collectives):
+            leaves = ", ".join(c.leaves[:3]) + (
+                f" (+{len(c.leaves) - 3})" if len(c.leaves) > 3 else ""
+            )
+            rows.append(
+                f"{i:>3} {c.kind:<14} {c.nbytes / 2**20:>8.3f} {c.dtype:<9} {c.launch:>7} "
+                f"{c.wait:>7} {c.overlapped:>8}  {leaves}"
+            )
+        rows.append(
+            f"{len(self.collectives)} collectives ({len(self.buckets)} gradient buckets) over "
+            f"{self.compute_nodes} compute nodes; captured in {self.capture_seconds:.2f} s"
+        )
+        return "\n".join(rows)
+
+
+def describe(graph: fx.Graph, buckets: list[BucketNodes], capture_seconds: float) -> Schedule:
+    by_launch = {b.launch: b for b in buckets}
+    compute_before: dict[fx.Node, int] = {}
+    count = 0
+    for node in graph.nodes:
+        compute_before[node] = count
+        count += is_compute(node)
+    plans = []
+    for node in graph.nodes:
+        if not is_collective(node):
+            continue
+        wait = next(iter(node.users))
+        bucket = by_launch.get(node)
+        source = node.args[0]
+        plans.append(
+            CollectivePlan(
+                kind=node.target._opname,
+                bucket=bucket.index if bucket else None,
+                leaves=tuple(m.path for m in bucket.members) if bucket else (source.name,),
+                nbytes=nbytes(source),
+                dtype=str(source.meta["val"].dtype).removeprefix("torch."),
+                launch=compute_before[node],
+                wait=compute_before[wait],
+            )
+        )
+    return Schedule(tuple(plans), count, capture_seconds)

@@ -1,0 +1,271 @@
+"""fddp.data_parallel: a step traced once per input signature, run as a scheduled graph."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+
+from fddp import _axes, _runtime
+from fddp._collectives import ProcessAxis, process_axis
+from fddp._schedule import _fingerprint
+from fddp._schedule._capture import Capture, Captured
+from fddp._schedule._compile import Options, Program, schedule_graph
+from fddp._schedule._plan import Schedule
+from fddp._tree import path_str
+
+logger = logging.getLogger("fddp")
+
+
+def _signature(spec: optree.PyTreeSpec, leaves: list[Any]) -> tuple:
+    """What a compiled program depends on: structure, tensor metadata, values of other leaves."""
+    parts = []
+    first_seen: dict[int, int] = {}
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            alias = first_seen.setdefault(id(leaf), i)
+            parts.append((leaf.shape, leaf.stride(), leaf.dtype, leaf.device, alias))
+        else:
+            try:
+                hash(leaf)
+            except TypeError:
+                raise TypeError(
+                    f"data_parallel: argument leaf of type {type(leaf).__name__} is neither a "
+                    "tensor nor hashable; non-tensor arguments are compiled in as constants, so "
+                    "they must be hashable (ints, floats, strings, tuples)."
+                ) from None
+            parts.append((type(leaf), leaf))
+    return (spec, tuple(parts))
+
+
+def _difference(old: tuple, new: tuple, paths: list[str]) -> str:
+    if old[0] != new[0]:
+        return f"tree structure changed: {old[0]} -> {new[0]}"
+    for path, a, b in zip(paths, old[1], new[1]):
+        if a != b:
+            return f"argument leaf {path} changed: {_describe(a)} -> {_describe(b)}"
+    return "signature changed"
+
+
+def _describe(part: tuple) -> str:
+    if len(part) == 5:
+        shape, _, dtype, device, _ = part
+        return f"{dtype} {list(shape)} on {device}"
+    return repr(part[1])
+
+
+@dataclasses.dataclass
+class _Entry:
+    """A compiled program for one signature, and how to map its outputs back to a pytree."""
+
+    program: Program
+    inputs: list[int | torch.Tensor]
+    capture: Capture | None
+    outputs: list[tuple[str, Any]] | None = None
+    out_spec: optree.PyTreeSpec | None = None
+
+    def run(self, tensors: list[torch.Tensor]) -> Any:
+        graph_inputs = [tensors[i] if isinstance(i, int) else i for i in self.inputs]
+        results = self.program.run(graph_inputs)
+        leaves = [
+            results[v] if kind == "graph" else tensors[v] if kind == "arg" else v
+            for kind, v in self.outputs
+        ]
+        return optree.tree_unflatten(self.out_spec, leaves)
+
+    def run_first(self, args: tuple, tensors: list[torch.Tensor], axis: ProcessAxis) -> Any:
+        """Run through Dynamo once, learning where each output leaf comes from."""
+        with _axes.bind(axis):
+            out = self.capture.run_once(args)
+        graph_outputs = self.capture.graph_outputs
+        self.capture = None
+        leaves, self.out_spec = optree.tree_flatten(out)
+        from_graph = {id(t): k for k, t in enumerate(graph_outputs)}
+        from_args = {id(t): i for i, t in enumerate(tensors)}
+        self.outputs = []
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor):
+                self.outputs.append(("const", leaf))
+            elif id(leaf) in from_graph:
+                self.outputs.append(("graph", from_graph[id(leaf)]))
+            elif id(leaf) in from_args:
+                self.outputs.append(("arg", from_args[id(leaf)]))
+            else:
+                raise AssertionError("an output tensor of the captured step has no known source")
+        return out
+
+
+class DataParallelStep:
+    """A replicated training step; call it like the step it wraps."""
+
+    def __init__(
+        self,
+        step_fn: Callable[..., Any],
+        *,
+        axis_name: str,
+        options: Options,
+        donate_argnums: tuple[int, ...],
+        group: dist.ProcessGroup | None,
+        trace: bool,
+    ) -> None:
+        functools.update_wrapper(self, step_fn)
+        self._step_fn = step_fn
+        self._axis_name = axis_name
+        self._options = options
+        self._donate_argnums = donate_argnums
+        self._group = group
+        self._trace = trace
+        self._cache: dict[tuple, _Entry] = {}
+        self._last_key: tuple | None = None
+        self.retraces = 0
+
+    def _axis(self) -> ProcessAxis:
+        return process_axis(self._axis_name, self._group)
+
+    def __call__(self, *args: Any) -> Any:
+        if not self._trace:
+            with _axes.bind(self._axis()):
+                return self._step_fn(*args)
+        leaves, spec = optree.tree_flatten(args)
+        key = _signature(spec, leaves)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._compile(key, args, tensors)
+        if entry.outputs is None:
+            return entry.run_first(args, tensors, self._axis())
+        return entry.run(tensors)
+
+    def schedule(self, *args: Any) -> Schedule:
+        """The compiled plan for these arguments (captures if needed; runs nothing).
+
+        Returns:
+            A :class:`Schedule`: every collective in launch order with its bucket, leaves, bytes,
+            and the compute nodes before its launch and its wait; ``print`` it for a table.
+        """
+        if not self._trace:
+            raise ValueError("schedule() needs a traced step; this one has trace=False.")
+        leaves, spec = optree.tree_flatten(args)
+        key = _signature(spec, leaves)
+        entry = self._cache.get(key)
+        if entry is None:
+            tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+            entry = self._compile(key, args, tensors)
+        return entry.program.schedule
+
+    def _compile(self, key: tuple, args: tuple, tensors: list[torch.Tensor]) -> _Entry:
+        _runtime.init()
+        if self._last_key is not None:
+            self.retraces += 1
+            paths = [path_str(p) for p in optree.tree_paths(args)]
+            logger.info(
+                "data_parallel: retracing %s: %s",
+                self.__name__,
+                _difference(self._last_key, key, paths),
+            )
+        self._last_key = key
+        step_fn = self._step_fn
+
+        def call_step(*args: Any) -> Any:
+            return step_fn(*args)
+
+        programs: list[Program] = []
+
+        def make_executable(captured: Captured) -> Callable:
+            programs.append(schedule_graph(captured, self._options))
+            return programs[-1].run
+
+        capture = Capture(call_step, make_executable)
+        axis = self._axis()
+        error = None
+        try:
+            with _axes.bind(axis):
+                captured = capture.trace(args, tensors)
+        except Exception as e:  # every rank must learn about it before anyone runs a collective
+            error = e
+        group = self._group if self._group is not None else dist.group.WORLD
+        _fingerprint.agree(programs[0].sequence if programs else None, error, group)
+        program = programs[0]
+        logger.info("data_parallel: compiled %s\n%s", self.__name__, program.schedule)
+        entry = _Entry(program, captured.inputs, capture)
+        self._cache[key] = entry
+        return entry
+
+
+def data_parallel(
+    step_fn: Callable[..., Any] | None = None,
+    *,
+    axis_name: str = _axes.DEFAULT_AXIS,
+    bucket_cap_mb: float = 25.0,
+    first_bucket_cap_mb: float = 1.0,
+    compile: bool | str = False,
+    donate_argnums: int | Sequence[int] = (),
+    comm_dtype: torch.dtype | None = None,
+    group: dist.ProcessGroup | None = None,
+    trace: bool = True,
+) -> Any:
+    """Turn a pure training step into one replicated over the ranks of a process group.
+
+    ``step_fn(*args)`` is traced once per input signature (tree structure, shapes, dtypes,
+    devices, non-tensor values) into one graph; the per-leaf all-reduces it issues (through
+    ``fddp.pmean``/``psum`` with ``axis_name``) are merged into buckets in the order the backward
+    pass produces the gradients, each bucket's all-reduce is launched right after its last
+    gradient exists and waited for right before its result is first used.
+
+    Args:
+        step_fn: ``step(*args) -> outputs``, pure: same inputs, same outputs.
+        axis_name: the name collectives inside the step use for this replica axis.
+        bucket_cap_mb: bucket size cap in MiB (DDP's ``bucket_cap_mb``).
+        first_bucket_cap_mb: cap of the first bucket, small so communication starts early.
+        compile: False runs the scheduled FX graph; True or ``"inductor"`` compiles it.
+        donate_argnums: arguments whose storage the step may reuse for its outputs.
+        comm_dtype: cast each bucket to this dtype for the all-reduce (e.g. ``torch.bfloat16``).
+        group: the process group (default: the world).
+        trace: False runs ``step_fn`` eagerly (collectives bucketed per call, no overlap).
+
+    Returns:
+        A callable with ``step_fn``'s signature, with ``.schedule(*args)`` for the plan.
+
+    >>> import fddp, torch
+    >>> @fddp.data_parallel
+    ... def step(w, x):
+    ...     g = fddp.grad(lambda w: ((x @ w) ** 2).mean())(w)
+    ...     return w - 0.1 * fddp.pmean(g)
+    >>> step(torch.ones(2), torch.ones(3, 2))
+    tensor([0.6000, 0.6000])
+    """
+    if step_fn is None:
+        return functools.partial(
+            data_parallel,
+            axis_name=axis_name,
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_cap_mb=first_bucket_cap_mb,
+            compile=compile,
+            donate_argnums=donate_argnums,
+            comm_dtype=comm_dtype,
+            group=group,
+            trace=trace,
+        )
+    if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
+        raise ValueError("bucket_cap_mb and first_bucket_cap_mb must be positive (MiB).")
+    options = Options(
+        bucket_cap_bytes=int(bucket_cap_mb * 2**20),
+        first_bucket_cap_bytes=int(first_bucket_cap_mb * 2**20),
+        comm_dtype=comm_dtype,
+        compile=compile,
+    )
+    donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    return DataParallelStep(
+        step_fn,
+        axis_name=axis_name,
+        options=options,
+        donate_argnums=donate,
+        group=group,
+        trace=trace,
+    )
