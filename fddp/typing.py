@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -15,7 +16,7 @@ Updates = TensorTree
 OptState = Any
 Batch = Any
 
-ScalarOrSchedule = Union[float, Callable[[torch.Tensor], Any]]
+ScalarOrSchedule = float | Callable[[torch.Tensor], Any]
 """A constant, or a function of the step count (an int64 tensor) returning the value."""
 
 __all__ = ["Batch", "Grads", "OptState", "Params", "ScalarOrSchedule", "TensorTree", "Updates"]

@@ -112,30 +112,20 @@ def rewrite(
     """
     out = []
     for index, bucket in enumerate(buckets):
-        anchor = _ready_node(graph, bucket)
+        chain = _Chain(graph, _ready_node(graph, bucket), {"fddp_bucket": index})
+        add = chain.add
         dtype = value(bucket[0].source).dtype
         divisors = {_divisor(m) for m in bucket}
         fold = len(divisors) == 1 and None not in divisors
-        tag = {"fddp_bucket": index}
-        new_nodes: list[fx.Node] = []
-
-        def add(target: object, *args: object, **kwargs: object) -> fx.Node:
-            node = graph.call_function(target, args, kwargs)
-            node.meta.update(tag)
-            (new_nodes[-1] if new_nodes else anchor).append(node)
-            new_nodes.append(node)
-            return node
-
+        cast = comm_dtype is not None and comm_dtype != dtype
         flats = [add(aten.reshape.default, m.source, [-1]) for m in bucket]
         flat = add(aten.cat.default, flats) if len(flats) > 1 else flats[0]
-        if comm_dtype is not None and comm_dtype != dtype:
+        if cast:
             flat = add(aten._to_copy.default, flat, dtype=comm_dtype)
         group, op = bucket[0].collective.args[2], bucket[0].collective.args[1]
         launch = add(ALL_REDUCE, flat, op, group)
         wait = add(WAIT, launch)
-        result = wait
-        if comm_dtype is not None and comm_dtype != dtype:
-            result = add(aten._to_copy.default, result, dtype=dtype)
+        result = add(aten._to_copy.default, wait, dtype=dtype) if cast else wait
         if fold:
             result = add(aten.div.Tensor, result, divisors.pop())
         sizes = [value(m.source).numel() for m in bucket]
@@ -147,9 +137,31 @@ def rewrite(
             old.replace_all_uses_with(leaf)
             for node in (old, m.wait, m.collective) if fold else (m.wait, m.collective):
                 graph.erase_node(node)
-        _fill_meta(new_nodes)
+        chain.fill_meta()
         out.append(BucketNodes(index, bucket, sum(nbytes(m.source) for m in bucket), launch, wait))
     return out
+
+
+class _Chain:
+    """Appends new nodes one after another, starting right after ``anchor``."""
+
+    def __init__(self, graph: fx.Graph, anchor: fx.Node, meta: dict) -> None:
+        self.graph, self.last, self.meta = graph, anchor, meta
+        self.nodes: list[fx.Node] = []
+
+    def add(self, target: object, *args: object, **kwargs: object) -> fx.Node:
+        node = self.graph.call_function(target, args, kwargs)
+        node.meta.update(self.meta)
+        self.last.append(node)
+        self.last = node
+        self.nodes.append(node)
+        return node
+
+    def fill_meta(self) -> None:
+        """Record the fake value of each new node, as make_fx would have."""
+        for node in self.nodes:
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+            node.meta["val"] = node.target(*args, **kwargs)
 
 
 def _ready_node(graph: fx.Graph, members: list[Member]) -> fx.Node:
@@ -157,10 +169,3 @@ def _ready_node(graph: fx.Graph, members: list[Member]) -> fx.Node:
     pos, writes = positions(graph), in_place_writes(graph)
     ready = max(ready_position(pos, writes, m.source, m.collective) for m in members)
     return list(graph.nodes)[ready]
-
-
-def _fill_meta(nodes: list[fx.Node]) -> None:
-    """Record the fake value of each new node, as make_fx would have."""
-    for node in nodes:
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-        node.meta["val"] = node.target(*args, **kwargs)
