@@ -126,8 +126,12 @@ def replicate(tree: Any, src: int = 0, *, group: dist.ProcessGroup | None = None
     src_spec, src_meta, src_values = gathered[_group_rank(group, src)]
     differing = [r for r, (s, m, _) in enumerate(gathered) if (s, m) != (src_spec, src_meta)]
     if differing:
-        theirs = gathered[differing[0]][1]
-        first = next((a, b) for a, b in zip([*theirs, None], [*src_meta, None]) if a != b)
+        their_spec, theirs, _ = gathered[differing[0]]
+        # Same leaves but different containers (e.g. list vs tuple): the treespecs differ.
+        first = next(
+            ((a, b) for a, b in zip([*theirs, None], [*src_meta, None]) if a != b),
+            (their_spec, src_spec),
+        )
         raise ValueError(
             f"fddp.replicate: ranks {differing} hold a tree that differs from rank {src}'s "
             f"(first difference: {first[0]} vs {first[1]}). Build the same parameter tree on "

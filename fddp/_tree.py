@@ -57,7 +57,11 @@ def pack_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def unpack_bytes(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Split a buffer made by :func:`pack_bytes` back into tensors shaped like ``like``."""
+    """Split a buffer made by :func:`pack_bytes` back into tensors shaped like ``like``.
+
+    Each tensor gets its own storage: a chunk's byte offset in ``flat`` need not be a multiple
+    of its dtype's size, which ``Tensor.view(dtype)`` requires.
+    """
     sizes = [t.numel() * t.element_size() for t in like]
     chunks = flat.split(sizes)
-    return [c.view(t.dtype).reshape(t.shape) for c, t in zip(chunks, like)]
+    return [c.clone().view(t.dtype).reshape(t.shape) for c, t in zip(chunks, like)]
