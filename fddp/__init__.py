@@ -5,6 +5,7 @@ from fddp._grad import grad, value_and_grad
 from fddp._module import functional, state
 from fddp._runtime import init, rank, replicate, shard, world_size
 from fddp._transform import data_parallel
+from fddp._vmap import vmap
 
 __version__ = "0.1.0"
 
@@ -24,5 +25,6 @@ __all__ = [
     "shard",
     "state",
     "value_and_grad",
+    "vmap",
     "world_size",
 ]

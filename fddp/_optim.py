@@ -473,7 +473,7 @@ def apply_updates(params: Params, updates: Updates) -> Params:
 
 
 def sgd(
-    learning_rate: ScalarOrSchedule,
+    lr: ScalarOrSchedule,
     momentum: float = 0.0,
     nesterov: bool = False,
     weight_decay: float = 0.0,
@@ -481,7 +481,7 @@ def sgd(
     """Stochastic gradient descent, step for step as ``torch.optim.SGD`` (no dampening).
 
     Args:
-        learning_rate: A float, or a schedule: a function of the step count.
+        lr: the learning rate: a float, or a schedule (a function of the step count).
         momentum: Momentum coefficient; 0 keeps no state.
         nesterov: Use Nesterov momentum (needs ``momentum > 0``).
         weight_decay: L2 coefficient added to the gradient before momentum.
@@ -503,12 +503,12 @@ def sgd(
     return chain(
         add_decayed_weights(weight_decay) if weight_decay else identity(),
         trace(momentum, nesterov) if momentum else identity(),
-        scale_by_learning_rate(learning_rate),
+        scale_by_learning_rate(lr),
     )
 
 
 def adam(
-    learning_rate: ScalarOrSchedule,
+    lr: ScalarOrSchedule,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
@@ -517,7 +517,7 @@ def adam(
     """Adam, step for step as ``torch.optim.Adam`` (L2 weight decay added to the gradient).
 
     Args:
-        learning_rate: A float, or a schedule: a function of the step count.
+        lr: the learning rate: a float, or a schedule (a function of the step count).
         b1: Decay of the first moment.
         b2: Decay of the second moment.
         eps: Added to the denominator.
@@ -535,12 +535,12 @@ def adam(
     return chain(
         add_decayed_weights(weight_decay) if weight_decay else identity(),
         scale_by_adam(b1, b2, eps),
-        scale_by_learning_rate(learning_rate),
+        scale_by_learning_rate(lr),
     )
 
 
 def adamw(
-    learning_rate: ScalarOrSchedule,
+    lr: ScalarOrSchedule,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
@@ -549,7 +549,7 @@ def adamw(
     """AdamW, step for step as ``torch.optim.AdamW``: params decay by ``lr * weight_decay``.
 
     Args:
-        learning_rate: A float, or a schedule: a function of the step count.
+        lr: the learning rate: a float, or a schedule (a function of the step count).
         b1: Decay of the first moment.
         b2: Decay of the second moment.
         eps: Added to the denominator.
@@ -567,7 +567,7 @@ def adamw(
     return chain(
         scale_by_adam(b1, b2, eps),
         add_decayed_weights(weight_decay) if weight_decay else identity(),
-        scale_by_learning_rate(learning_rate),
+        scale_by_learning_rate(lr),
     )
 
 
