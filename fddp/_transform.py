@@ -60,6 +60,23 @@ def _describe(part: tuple) -> str:
     return repr(part[1])
 
 
+def _donated_leaves(args: tuple, argnums: tuple[int, ...]) -> set[int]:
+    """Indices, among all tensor leaves of ``args``, of those inside donated arguments."""
+    for n in argnums:
+        if not -len(args) <= n < len(args):
+            raise ValueError(
+                f"donate_argnums refers to argument {n}, but the step got {len(args)} arguments."
+            )
+    wanted = {n % len(args) for n in argnums}
+    donated, index = set(), 0
+    for n, arg in enumerate(args):
+        count = sum(isinstance(x, torch.Tensor) for x in optree.tree_leaves(arg))
+        if n in wanted:
+            donated.update(range(index, index + count))
+        index += count
+    return donated
+
+
 @dataclasses.dataclass
 class _Entry:
     """A compiled program for one signature, and how to map its outputs back to a pytree."""
@@ -177,8 +194,10 @@ class DataParallelStep:
 
         programs: list[Program] = []
 
+        donated = _donated_leaves(args, self._donate_argnums)
+
         def make_executable(captured: Captured) -> Callable:
-            programs.append(schedule_graph(captured, self._options))
+            programs.append(schedule_graph(captured, self._options, donated))
             return programs[-1].run
 
         capture = Capture(call_step, make_executable)

@@ -9,13 +9,16 @@ needed before another member's input exists, so merging cannot create a cycle.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 
 import torch
 from torch import fx
+from torch._guards import detect_fake_mode
 
 from fddp._schedule._graph import (
     ALL_REDUCE,
+    ALL_REDUCE_INPLACE,
     WAIT,
     in_place_writes,
     nbytes,
@@ -105,48 +108,60 @@ def _divisor(member: Member) -> float | None:
 def rewrite(
     graph: fx.Graph, buckets: list[list[Member]], comm_dtype: torch.dtype | None
 ) -> list[BucketNodes]:
-    """Replace each bucket's per-leaf all-reduces with cat -> one all-reduce -> split views.
+    """Replace each bucket's per-leaf all-reduces with one in-place all-reduce of a flat buffer.
 
-    The new nodes go right after the last member becomes ready; the overlap pass moves the
-    waits down to their first use. A shared pmean division becomes one division of the bucket.
+    Each gradient is copied into its slice of a fresh flat buffer (divided by ``n`` on the way
+    when every member's result was only divided by the same ``n``, i.e. a pmean; cast on the way
+    for ``comm_dtype``), the buffer is all-reduced in place, and each former result becomes a
+    view of it. The new nodes go right after the last member becomes ready; the overlap pass
+    moves the waits down to their first use.
     """
     out = []
     for index, bucket in enumerate(buckets):
         chain = _Chain(graph, _ready_node(graph, bucket), {"fddp_bucket": index})
         add = chain.add
-        dtype = value(bucket[0].source).dtype
+        first = value(bucket[0].source)
         divisors = {_divisor(m) for m in bucket}
-        fold = len(divisors) == 1 and None not in divisors
-        cast = comm_dtype is not None and comm_dtype != dtype
-        flats = [add(aten.reshape.default, m.source, [-1]) for m in bucket]
-        flat = add(aten.cat.default, flats) if len(flats) > 1 else flats[0]
-        if cast:
-            flat = add(aten._to_copy.default, flat, dtype=comm_dtype)
-        group, op = bucket[0].collective.args[2], bucket[0].collective.args[1]
-        launch = add(ALL_REDUCE, flat, op, group)
-        wait = add(WAIT, launch)
-        result = add(aten._to_copy.default, wait, dtype=dtype) if cast else wait
-        if fold:
-            result = add(aten.div.Tensor, result, divisors.pop())
+        divisor = divisors.pop() if len(divisors) == 1 else None
+        wire = comm_dtype if comm_dtype is not None else first.dtype
         sizes = [value(m.source).numel() for m in bucket]
+        flat = add(aten.empty.memory_format, [sum(sizes)], dtype=wire, device=first.device)
+        for m, offset, size in zip(bucket, _offsets(sizes), sizes):
+            shape = list(value(m.source).shape)
+            part = add(aten.slice.Tensor, flat, 0, offset, offset + size)
+            slot = add(aten.view.default, part, shape)
+            if divisor is None:
+                add(aten.copy_.default, slot, m.source)
+            else:
+                add(aten.div.Scalar_out, m.source, divisor, out=slot)
+        group, op = bucket[0].collective.args[2], bucket[0].collective.args[1]
+        launch = add(ALL_REDUCE_INPLACE, flat, op, group)
+        wait = add(WAIT, launch)
+        result = wait
+        if wire != first.dtype:
+            result = add(aten._to_copy.default, wait, dtype=first.dtype)
         parts = add(aten.split_with_sizes.default, result, sizes) if len(bucket) > 1 else None
         for i, m in enumerate(bucket):
             part = add(operator.getitem, parts, i) if parts is not None else result
             leaf = add(aten.view.default, part, list(value(m.source).shape))
-            old = next(iter(m.wait.users)) if fold else m.wait
+            old = next(iter(m.wait.users)) if divisor is not None else m.wait
             old.replace_all_uses_with(leaf)
-            for node in (old, m.wait, m.collective) if fold else (m.wait, m.collective):
+            for node in (old, m.wait, m.collective) if old is not m.wait else (old, m.collective):
                 graph.erase_node(node)
         chain.fill_meta()
         out.append(BucketNodes(index, bucket, sum(nbytes(m.source) for m in bucket), launch, wait))
     return out
 
 
+def _offsets(sizes: list[int]) -> list[int]:
+    return [0, *itertools.accumulate(sizes)][:-1]
+
+
 class _Chain:
     """Appends new nodes one after another, starting right after ``anchor``."""
 
     def __init__(self, graph: fx.Graph, anchor: fx.Node, meta: dict) -> None:
-        self.graph, self.last, self.meta = graph, anchor, meta
+        self.graph, self.anchor, self.last, self.meta = graph, anchor, anchor, meta
         self.nodes: list[fx.Node] = []
 
     def add(self, target: object, *args: object, **kwargs: object) -> fx.Node:
@@ -159,9 +174,11 @@ class _Chain:
 
     def fill_meta(self) -> None:
         """Record the fake value of each new node, as make_fx would have."""
-        for node in self.nodes:
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-            node.meta["val"] = node.target(*args, **kwargs)
+        fake_mode = detect_fake_mode([self.anchor.meta.get("val")])
+        with fake_mode:
+            for node in self.nodes:
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+                node.meta["val"] = node.target(*args, **kwargs)
 
 
 def _ready_node(graph: fx.Graph, members: list[Member]) -> fx.Node:

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 from torch import fx
 
-from fddp._schedule import _backend, _bucket, _overlap, _plan
+from fddp._schedule import _backend, _bucket, _overlap, _plan, _reinplace
 from fddp._schedule._capture import Captured
 from fddp._schedule._fingerprint import collective_sequence
 
@@ -19,6 +19,7 @@ class Options:
     comm_dtype: torch.dtype | None
     compile: bool | str
     overlap: bool = True
+    reinplace: bool = True
 
 
 @dataclasses.dataclass
@@ -31,7 +32,12 @@ class Program:
     run: _backend.Runner
 
 
-def schedule_graph(captured: Captured, options: Options) -> Program:
+def schedule_graph(captured: Captured, options: Options, donated: set[int]) -> Program:
+    """Bucket, overlap and reinplace the captured graph, then build its runner.
+
+    ``donated`` holds the indices (into the step's flat tensor arguments) whose storage the
+    program may overwrite.
+    """
     gm = captured.graph
     graph = gm.graph
     members = _bucket.find_members(graph)
@@ -39,6 +45,14 @@ def schedule_graph(captured: Captured, options: Options) -> Program:
     bucket_nodes = _bucket.rewrite(graph, buckets, options.comm_dtype)
     if options.overlap:
         _overlap.overlap(graph)
+    if options.reinplace:
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        donated_nodes = {
+            node
+            for node, source in zip(placeholders, captured.inputs)
+            if isinstance(source, int) and source in donated
+        }
+        _reinplace.reinplace(graph, donated_nodes)
     graph.lint()
     gm.recompile()
     plan = _plan.describe(graph, bucket_nodes, captured.seconds)

@@ -9,6 +9,7 @@ from torch import fx
 
 c10d = torch.ops._c10d_functional
 ALL_REDUCE = c10d.all_reduce.default
+ALL_REDUCE_INPLACE = c10d.all_reduce_.default
 WAIT = c10d.wait_tensor.default
 
 _BOOKKEEPING = {
@@ -25,6 +26,8 @@ _BOOKKEEPING = {
     "alias",
     "detach",
     "split_with_sizes",
+    "slice",
+    "empty",
 }
 
 
@@ -64,14 +67,16 @@ def is_view(node: fx.Node) -> bool:
 
 
 def mutated_inputs(node: fx.Node) -> list[fx.Node]:
-    """The argument nodes that ``node`` writes in place."""
+    """The argument nodes that ``node`` writes in place (including ``out=`` arguments)."""
     op = _overload(node)
     if op is None:
         return []
     out = []
-    for arg, value in zip(op._schema.arguments, node.args):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            out.extend(v for v in _flat_nodes(value))
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        given = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        out.extend(_flat_nodes(given))
     return out
 
 

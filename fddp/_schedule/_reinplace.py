@@ -1,0 +1,176 @@
+"""Reinplace pass: run pointwise ops in place when the buffer they read is dead afterwards.
+
+A step written functionally allocates a new tensor for every intermediate and every updated
+parameter and optimizer moment. When an op's first input (``self``) is never read again — an
+intermediate, or a donated argument — the op can write its result into that input instead, as
+JAX does with donated buffers. Storage aliasing comes from the fake tensors recorded at capture:
+views share their base's storage, so a write is allowed only when no alias is read later.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+
+import torch
+from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from fddp._schedule._graph import is_collective, is_wait
+
+aten = torch.ops.aten
+
+_POINTWISE = {
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "lerp",
+    "addcmul",
+    "addcdiv",
+    "neg",
+    "sqrt",
+    "rsqrt",
+    "reciprocal",
+    "exp",
+    "abs",
+    "sign",
+    "pow",
+    "clamp",
+    "clamp_min",
+    "clamp_max",
+    "sigmoid",
+    "tanh",
+    "relu",
+    "maximum",
+    "minimum",
+}
+
+
+def _inplace_variant(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    name = op._opname
+    base = name.removeprefix("_foreach_")
+    if base not in _POINTWISE:
+        return None
+    packet = getattr(aten, name + "_", None)
+    return getattr(packet, op._overloadname, None) if packet is not None else None
+
+
+def _tensors(val: object) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [v for v in val if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _storage(t: torch.Tensor) -> StorageWeakRef:
+    return StorageWeakRef(t.untyped_storage())
+
+
+class _Storages:
+    """Which nodes hold (views of) each storage, and the last position any of them is read."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.pos = {n: i for i, n in enumerate(graph.nodes)}
+        self.last_read: dict[StorageWeakRef, int] = {}
+        self.of_node: dict[fx.Node, list[StorageWeakRef]] = {}
+        for node in graph.nodes:
+            keys = [_storage(t) for t in _tensors(node.meta.get("val"))]
+            self.of_node[node] = keys
+            last = max((self.pos[u] for u in node.users), default=self.pos[node])
+            for key in keys:
+                self.last_read[key] = max(self.last_read.get(key, -1), last)
+
+    def dead_after(self, node: fx.Node, arg: fx.Node) -> bool:
+        keys = self.of_node.get(arg, [])
+        return bool(keys) and all(self.last_read[k] <= self.pos[node] for k in keys)
+
+    def alias(self, node: fx.Node, like: fx.Node) -> None:
+        """``node`` now holds ``like``'s storage: its readers read that storage."""
+        self.of_node[node] = self.of_node[like]
+        self.extend_reads(node)
+
+    def extend_reads(self, node: fx.Node) -> None:
+        last = max((self.pos[u] for u in node.users), default=self.pos[node])
+        for key in self.of_node[node]:
+            self.last_read[key] = max(self.last_read[key], last)
+
+
+def _protected(graph: fx.Graph, donated: set[fx.Node]) -> set[StorageWeakRef]:
+    """Storages that must keep their contents: inputs not donated, constants, outputs, comms."""
+    keep = set()
+    for node in graph.nodes:
+        vals = _tensors(node.meta.get("val"))
+        if (node.op in ("placeholder", "get_attr") and node not in donated) or is_collective(node):
+            keep.update(_storage(t) for t in vals)
+        if is_wait(node) or is_collective(node):
+            for arg in node.all_input_nodes:
+                keep.update(_storage(t) for t in _tensors(arg.meta.get("val")))
+        if node.op == "output":
+            for arg in node.all_input_nodes:
+                keep.update(_storage(t) for t in _tensors(arg.meta.get("val")))
+    return keep
+
+
+def _same_layout(out: object, self_val: object) -> bool:
+    outs, selfs = _tensors(out), _tensors(self_val)
+    return len(outs) == len(selfs) > 0 and all(
+        o.shape == s.shape and o.dtype == s.dtype and o.device == s.device
+        for o, s in zip(outs, selfs)
+    )
+
+
+def _disjoint(tensors: list[torch.Tensor]) -> bool:
+    """No two of ``tensors`` share memory (disjoint dense slices of one storage are fine)."""
+    spans: dict[StorageWeakRef, list[tuple[int, int]]] = {}
+    for t in tensors:
+        if not t.is_contiguous():
+            return len(tensors) == 1
+        start = t.storage_offset()
+        spans.setdefault(_storage(t), []).append((start, start + t.numel()))
+    for ranges in spans.values():
+        ranges.sort()
+        if any(a_end > b_start for (_, a_end), (b_start, _) in itertools.pairwise(ranges)):
+            return False
+    return True
+
+
+def reinplace(graph: fx.Graph, donated: set[fx.Node]) -> int:
+    """Rewrite eligible pointwise ops to their in-place form; returns how many were rewritten.
+
+    Donated placeholders count as dead after their last read, so the optimizer's final
+    ``params + updates`` (and the moment updates) land in the donated buffers.
+    """
+    storages = _Storages(graph)
+    protected = _protected(graph, donated)
+    rewritten = 0
+    for node in list(graph.nodes):
+        op = node.target if node.op == "call_function" else None
+        inplace = _inplace_variant(op) if isinstance(op, torch._ops.OpOverload) else None
+        if inplace is None or not node.args:
+            continue
+        selfs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+        if not all(isinstance(s, fx.Node) for s in selfs) or len(set(selfs)) != len(selfs):
+            continue
+        if not _same_layout(node.meta.get("val"), [s.meta.get("val") for s in selfs]):
+            continue
+        keys = [k for s in selfs for k in storages.of_node.get(s, [])]
+        if any(k in protected for k in keys) or not _disjoint([s.meta["val"] for s in selfs]):
+            continue
+        if not all(storages.dead_after(node, s) for s in selfs):
+            continue
+        node.target = inplace
+        if isinstance(node.args[0], (list, tuple)):
+            for user in list(node.users):
+                assert user.target is operator.getitem
+                source = selfs[user.args[1]]
+                user.replace_all_uses_with(source)
+                graph.erase_node(user)
+                storages.extend_reads(source)
+            node.meta["val"] = None
+        else:
+            storages.alias(node, selfs[0])
+            node.meta["val"] = selfs[0].meta["val"]
+        rewritten += 1
+    return rewritten
