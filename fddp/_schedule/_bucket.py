@@ -106,51 +106,88 @@ def _divisor(member: Member) -> float | None:
 
 
 def rewrite(
-    graph: fx.Graph, buckets: list[list[Member]], comm_dtype: torch.dtype | None
+    graph: fx.Graph,
+    buckets: list[list[Member]],
+    comm_dtype: torch.dtype | None,
+    *,
+    functional: bool = False,
 ) -> list[BucketNodes]:
-    """Replace each bucket's per-leaf all-reduces with one in-place all-reduce of a flat buffer.
+    """Replace each bucket's per-leaf all-reduces with one all-reduce of a flat buffer.
 
-    Each gradient is copied into its slice of a fresh flat buffer (divided by ``n`` on the way
-    when every member's result was only divided by the same ``n``, i.e. a pmean; cast on the way
-    for ``comm_dtype``), the buffer is all-reduced in place, and each former result becomes a
-    view of it. The new nodes go right after the last member becomes ready; the overlap pass
-    moves the waits down to their first use.
+    When every member's result was only divided by the same ``n`` (a pmean), the division
+    moves before the reduction, fused with the packing. By default each gradient is written
+    (divided, cast to ``comm_dtype``) into its slice of a fresh flat buffer that is reduced in
+    place; ``functional=True`` packs with ``cat`` and reduces out of place instead, for backends
+    that need a functional graph (Inductor). Each former result becomes a view of the reduced
+    buffer. The new nodes go right after the last member becomes ready; the overlap pass moves
+    the waits down to their first use.
     """
     out = []
     for index, bucket in enumerate(buckets):
         chain = _Chain(graph, _ready_node(graph, bucket), {"fddp_bucket": index})
-        add = chain.add
-        first = value(bucket[0].source)
+        dtype = value(bucket[0].source).dtype
         divisors = {_divisor(m) for m in bucket}
         divisor = divisors.pop() if len(divisors) == 1 else None
-        wire = comm_dtype if comm_dtype is not None else first.dtype
-        sizes = [value(m.source).numel() for m in bucket]
-        flat = add(aten.empty.memory_format, [sum(sizes)], dtype=wire, device=first.device)
-        for m, offset, size in zip(bucket, _offsets(sizes), sizes):
-            shape = list(value(m.source).shape)
-            part = add(aten.slice.Tensor, flat, 0, offset, offset + size)
-            slot = add(aten.view.default, part, shape)
-            if divisor is None:
-                add(aten.copy_.default, slot, m.source)
-            else:
-                add(aten.div.Scalar_out, m.source, divisor, out=slot)
-        group, op = bucket[0].collective.args[2], bucket[0].collective.args[1]
-        launch = add(ALL_REDUCE_INPLACE, flat, op, group)
-        wait = add(WAIT, launch)
-        result = wait
-        if wire != first.dtype:
-            result = add(aten._to_copy.default, wait, dtype=first.dtype)
-        parts = add(aten.split_with_sizes.default, result, sizes) if len(bucket) > 1 else None
-        for i, m in enumerate(bucket):
-            part = add(operator.getitem, parts, i) if parts is not None else result
-            leaf = add(aten.view.default, part, list(value(m.source).shape))
-            old = next(iter(m.wait.users)) if divisor is not None else m.wait
-            old.replace_all_uses_with(leaf)
-            for node in (old, m.wait, m.collective) if old is not m.wait else (old, m.collective):
-                graph.erase_node(node)
+        wire = comm_dtype if comm_dtype is not None else dtype
+        pack = _pack_functional if functional else _pack_in_place
+        launch = pack(chain, bucket, divisor, wire)
+        wait = chain.add(WAIT, launch)
+        result = wait if wire == dtype else chain.add(aten._to_copy.default, wait, dtype=dtype)
+        _unpack(chain, graph, bucket, result, divisor is not None)
         chain.fill_meta()
         out.append(BucketNodes(index, bucket, sum(nbytes(m.source) for m in bucket), launch, wait))
     return out
+
+
+def _pack_in_place(
+    chain: _Chain, bucket: list[Member], divisor: float | None, wire: torch.dtype
+) -> fx.Node:
+    add = chain.add
+    sizes = [value(m.source).numel() for m in bucket]
+    device = value(bucket[0].source).device
+    flat = add(aten.empty.memory_format, [sum(sizes)], dtype=wire, device=device)
+    for m, offset, size in zip(bucket, _offsets(sizes), sizes):
+        slot = add(
+            aten.view.default,
+            add(aten.slice.Tensor, flat, 0, offset, offset + size),
+            list(value(m.source).shape),
+        )
+        if divisor is None:
+            add(aten.copy_.default, slot, m.source)
+        else:
+            add(aten.div.Scalar_out, m.source, divisor, out=slot)
+    group, op = bucket[0].collective.args[2], bucket[0].collective.args[1]
+    return add(ALL_REDUCE_INPLACE, flat, op, group)
+
+
+def _pack_functional(
+    chain: _Chain, bucket: list[Member], divisor: float | None, wire: torch.dtype
+) -> fx.Node:
+    add = chain.add
+    flats = [add(aten.reshape.default, m.source, [-1]) for m in bucket]
+    flat = add(aten.cat.default, flats) if len(flats) > 1 else flats[0]
+    if divisor is not None:
+        flat = add(aten.div.Tensor, flat, divisor)
+    if wire != value(bucket[0].source).dtype:
+        flat = add(aten._to_copy.default, flat, dtype=wire)
+    group, op = bucket[0].collective.args[2], bucket[0].collective.args[1]
+    return add(ALL_REDUCE, flat, op, group)
+
+
+def _unpack(
+    chain: _Chain, graph: fx.Graph, bucket: list[Member], result: fx.Node, divided: bool
+) -> None:
+    """Hand each member's users a view of the reduced buffer; drop the per-leaf nodes."""
+    add = chain.add
+    sizes = [value(m.source).numel() for m in bucket]
+    parts = add(aten.split_with_sizes.default, result, sizes) if len(bucket) > 1 else None
+    for i, m in enumerate(bucket):
+        part = add(operator.getitem, parts, i) if parts is not None else result
+        leaf = add(aten.view.default, part, list(value(m.source).shape))
+        old = next(iter(m.wait.users)) if divided else m.wait
+        old.replace_all_uses_with(leaf)
+        for node in (old, m.wait, m.collective) if divided else (old, m.collective):
+            graph.erase_node(node)
 
 
 def _offsets(sizes: list[int]) -> list[int]:

@@ -42,10 +42,11 @@ def schedule_graph(captured: Captured, options: Options, donated: set[int]) -> P
     graph = gm.graph
     members = _bucket.find_members(graph)
     buckets = _bucket.assign(members, options.bucket_cap_bytes, options.first_bucket_cap_bytes)
-    bucket_nodes = _bucket.rewrite(graph, buckets, options.comm_dtype)
+    in_place = options.compile in (False, None, "fx")
+    bucket_nodes = _bucket.rewrite(graph, buckets, options.comm_dtype, functional=not in_place)
     if options.overlap:
         _overlap.overlap(graph)
-    if options.reinplace:
+    if options.reinplace and in_place:
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         donated_nodes = {
             node
