@@ -1,5 +1,7 @@
 """fddp: JAX-style functional data parallelism on PyTorch."""
 
+from fddp import optim
+from fddp._checkpoint import load, save
 from fddp._collectives import all_gather, axis_index, axis_size, broadcast, pmean, psum
 from fddp._grad import grad, value_and_grad
 from fddp._module import functional, state
@@ -18,10 +20,13 @@ __all__ = [
     "functional",
     "grad",
     "init",
+    "load",
+    "optim",
     "pmean",
     "psum",
     "rank",
     "replicate",
+    "save",
     "shard",
     "state",
     "value_and_grad",

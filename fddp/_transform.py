@@ -187,11 +187,6 @@ class DataParallelStep:
                 _difference(self._last_key, key, paths),
             )
         self._last_key = key
-        step_fn = self._step_fn
-
-        def call_step(*args: Any) -> Any:
-            return step_fn(*args)
-
         programs: list[Program] = []
 
         donated = _donated_leaves(args, self._donate_argnums)
@@ -200,7 +195,7 @@ class DataParallelStep:
             programs.append(schedule_graph(captured, self._options, donated))
             return programs[-1].run
 
-        capture = Capture(call_step, make_executable)
+        capture = Capture(self._step_fn, make_executable)
         axis = self._axis()
         error = None
         try:

@@ -56,9 +56,22 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> fx.
 
 
 def _fresh_function(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A copy of ``fn`` with its own code object, so it gets its own Dynamo cache."""
+    """A copy of ``fn`` with its own code object, so it gets its own Dynamo cache.
+
+    A plain function is copied with its own globals and closure, so Dynamo resolves the names it
+    uses exactly as Python does (also for functions defined in doctests or notebooks, whose
+    globals are not a module's). Any other callable is wrapped in a function first.
+    """
+    if not isinstance(fn, types.FunctionType):
+        target = fn
+
+        def fn(*args: Any) -> Any:
+            return target(*args)
+
     code = fn.__code__.replace()
-    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    fresh = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    fresh.__kwdefaults__ = fn.__kwdefaults__
+    return fresh
 
 
 class Capture:

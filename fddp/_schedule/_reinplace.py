@@ -121,10 +121,23 @@ def _same_layout(out: object, self_val: object) -> bool:
     )
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Some permutation of ``t``'s dims is contiguous: no element is stored twice, no gaps."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _disjoint(tensors: list[torch.Tensor]) -> bool:
-    """No two of ``tensors`` share memory (disjoint dense slices of one storage are fine)."""
+    """Each tensor is dense without self-overlap, and no two share memory (disjoint slices of
+    one storage are fine)."""
     spans: dict[StorageWeakRef, list[tuple[int, int]]] = {}
     for t in tensors:
+        if not _dense(t):
+            return False
         if not t.is_contiguous():
             return len(tensors) == 1
         start = t.storage_offset()
