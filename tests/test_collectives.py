@@ -1,0 +1,223 @@
+"""psum, pmean, all_gather, broadcast, axis_index, axis_size: a world of one, and 2 and 3 ranks."""
+
+import collections
+
+import optree
+import pytest
+import torch
+from _dist import run_ranks
+
+import fddp
+from fddp import _collectives
+
+Pair = collections.namedtuple("Pair", ["w", "b"])
+
+
+def _inputs(r: int) -> dict:
+    """Rank ``r``'s tree: several dtypes and shapes, a 0-d leaf, a non-contiguous leaf, a None."""
+    g = torch.Generator().manual_seed(r)
+    return {
+        "f32": torch.randn(3, 4, generator=g),
+        "f64": [
+            torch.randn(5, generator=g, dtype=torch.float64),
+            torch.randn(2, 3, 4, generator=g, dtype=torch.float64).transpose(0, 2),
+        ],
+        "i64": torch.randint(-50, 50, (2, 3), generator=g),
+        "nt": Pair(w=torch.randn((), generator=g), b=torch.randn(1, 6, generator=g)),
+        "none": None,
+    }
+
+
+def _float_part(tree: dict) -> dict:
+    return {k: v for k, v in tree.items() if k != "i64"}
+
+
+def _assert_close_tree(actual, expected, exact: bool = False) -> None:
+    a_leaves, a_spec = optree.tree_flatten(actual)
+    e_leaves, e_spec = optree.tree_flatten(expected)
+    assert a_spec == e_spec
+    for a, e in zip(a_leaves, e_leaves):
+        assert a.dtype == e.dtype and a.shape == e.shape
+        if exact or not e.is_floating_point():
+            assert torch.equal(a, e)
+        else:
+            torch.testing.assert_close(a, e)
+
+
+def _reference(fn, trees: list):
+    return optree.tree_map(lambda *xs: fn(list(xs)), *trees)
+
+
+# --- a world of one --------------------------------------------------------------------------
+
+
+def test_world_of_one_collectives_are_the_identity():
+    tree = _inputs(0)
+    before = optree.tree_map(torch.clone, tree)
+    _assert_close_tree(fddp.psum(tree), tree, exact=True)
+    _assert_close_tree(fddp.pmean(_float_part(tree)), _float_part(tree), exact=True)
+    _assert_close_tree(fddp.broadcast(tree), tree, exact=True)
+    _assert_close_tree(fddp.all_gather(tree), optree.tree_map(lambda x: x[None], tree), exact=True)
+    tiled = {"f32": tree["f32"], "i64": tree["i64"]}
+    _assert_close_tree(fddp.all_gather(tiled, tiled=True), tiled, exact=True)
+    assert fddp.axis_size() == 1
+    index = fddp.axis_index()
+    assert index.dtype == torch.int64 and index.shape == () and index.item() == 0
+    _assert_close_tree(tree, before, exact=True)
+
+
+def test_world_of_one_psum_is_differentiable():
+    w = torch.tensor([1.0, -2.0, 3.0])
+    torch.testing.assert_close(fddp.grad(lambda w: fddp.psum(w * w).sum())(w), 2 * w)
+    torch.testing.assert_close(fddp.grad(lambda w: fddp.pmean({"a": w})["a"].sum())(w), w**0)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda ax: fddp.psum(torch.ones(2), axis_name=ax),
+        lambda ax: fddp.pmean(torch.ones(2), axis_name=ax),
+        lambda ax: fddp.all_gather(torch.ones(2), axis_name=ax),
+        lambda ax: fddp.broadcast(torch.ones(2), axis_name=ax),
+        lambda ax: fddp.axis_index(axis_name=ax),
+        lambda ax: fddp.axis_size(axis_name=ax),
+    ],
+    ids=["psum", "pmean", "all_gather", "broadcast", "axis_index", "axis_size"],
+)
+def test_unknown_axis_name_is_value_error_naming_it(call):
+    with pytest.raises(ValueError, match="'model_parallel'"):
+        call("model_parallel")
+
+
+def test_broadcast_src_out_of_range_is_value_error():
+    with pytest.raises(ValueError, match="src=1"):
+        fddp.broadcast(torch.ones(2), src=1)
+
+
+def test_non_tensor_leaf_is_type_error_naming_its_path():
+    with pytest.raises(TypeError, match=r"\['stats'\]\['count'\]"):
+        fddp.psum({"stats": {"count": 3, "sum": torch.ones(1)}})
+
+
+def test_eager_buckets_group_consecutive_same_dtype_leaves_under_the_cap(monkeypatch):
+    monkeypatch.setattr(_collectives, "EAGER_BUCKET_BYTES", 64)
+    leaves = [
+        torch.ones(4),  # 16 B
+        torch.ones(8),  # 32 B  -> 48 B, same bucket
+        torch.ones(8),  # 32 B  -> would be 80 B: new bucket
+        torch.ones(2, dtype=torch.float64),  # other dtype: new bucket
+        torch.ones(100),  # larger than the cap: a bucket of its own
+        torch.ones(1),
+    ]
+    assert _collectives._eager_buckets(leaves) == [[0, 1], [2], [3], [4], [5]]
+
+
+# --- N ranks ---------------------------------------------------------------------------------
+
+
+def _check_values(r: int, n: int) -> None:
+    trees = [_inputs(k) for k in range(n)]
+    mine = _inputs(r)
+    before = optree.tree_map(torch.clone, mine)
+
+    _assert_close_tree(fddp.psum(mine), _reference(sum, trees))
+    floats = [_float_part(t) for t in trees]
+    _assert_close_tree(fddp.pmean(_float_part(mine)), _reference(lambda xs: sum(xs) / n, floats))
+    _assert_close_tree(fddp.all_gather(mine), _reference(torch.stack, trees), exact=True)
+    no_scalar = [{"f32": t["f32"], "i64": t["i64"], "f64": t["f64"]} for t in trees]
+    _assert_close_tree(
+        fddp.all_gather(no_scalar[r], tiled=True), _reference(torch.cat, no_scalar), exact=True
+    )
+    for src in {0, 1, n - 1}:
+        _assert_close_tree(fddp.broadcast(mine, src=src), trees[src], exact=True)
+    with pytest.raises(ValueError, match=f"src={n}"):
+        fddp.broadcast(mine, src=n)
+
+    index = fddp.axis_index()
+    assert index.dtype == torch.int64 and index.shape == () and index.item() == r
+    assert fddp.axis_size() == n
+    _assert_close_tree(mine, before, exact=True)  # no collective mutates its input
+
+
+def _check_several_buckets(r: int, n: int) -> None:
+    def tree(k: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 + k)
+        dtypes = [torch.float32, torch.float32, torch.float64, torch.int64]
+        out = [
+            (torch.randn(i % 13 + 1, generator=g) * 100).to(dtypes[i % len(dtypes)])
+            for i in range(40)
+        ]
+        return [*out, torch.randn(100, generator=g), torch.randn(3, 3, generator=g)]
+
+    calls = []
+    all_reduce = _collectives.funcol.all_reduce
+    _collectives.funcol.all_reduce = lambda *a, **k: calls.append(a) or all_reduce(*a, **k)
+    try:
+        # One all_reduce for the whole tree while it fits in a bucket of one dtype...
+        _assert_close_tree(
+            fddp.psum(tree(r)[-2:]), _reference(sum, [tree(k)[-2:] for k in range(n)])
+        )
+        assert len(calls) == 1
+        calls.clear()
+        # ...and one per bucket when the cap is small.
+        saved = _collectives.EAGER_BUCKET_BYTES
+        _collectives.EAGER_BUCKET_BYTES = 64
+        try:
+            buckets = _collectives._eager_buckets(tree(r))
+            assert len(buckets) >= 20
+            _assert_close_tree(fddp.psum(tree(r)), _reference(sum, [tree(k) for k in range(n)]))
+            assert len(calls) == len(buckets)
+        finally:
+            _collectives.EAGER_BUCKET_BYTES = saved
+    finally:
+        _collectives.funcol.all_reduce = all_reduce
+
+
+def _w_x(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + k)
+    return torch.randn(4, generator=g), torch.randn(4, generator=g)
+
+
+def _check_gradients(r: int, n: int) -> None:
+    w, x = _w_x(r)
+    s = sum(wk * xk for wk, xk in (_w_x(k) for k in range(n)))
+
+    # L_r = |psum(w_r x_r)|^2: the gradient of psum is psum of the cotangent, 2 n s x_r.
+    def loss(w):
+        return fddp.psum(w * x).square().sum()
+
+    torch.testing.assert_close(fddp.grad(loss)(w), 2 * n * s * x)
+    w_leaf = w.clone().requires_grad_()
+    loss(w_leaf).backward()  # plain autograd, outside any transform
+    torch.testing.assert_close(w_leaf.grad, 2 * n * s * x)
+
+    # Several leaves in one bucket: L_r = |u|^2 + sum(v), u = psum(w x), v = psum(2 w).
+    def tree_loss(w):
+        out = fddp.psum({"u": w * x, "v": 2 * w})
+        return out["u"].square().sum() + out["v"].sum()
+
+    torch.testing.assert_close(fddp.grad(tree_loss)(w), 2 * n * s * x + 2 * n)
+
+    # L_r = |pmean(w x)|^2 with m = s / n: gradient 2 m x_r.
+    pmean_grad = fddp.grad(lambda w: fddp.pmean(w * x).square().sum())(w)
+    torch.testing.assert_close(pmean_grad, 2 * (s / n) * x)
+
+    # L_r = <all_gather(w), c>: every rank's loss sees w_r, so the gradient is n c[r].
+    c = torch.arange(n * 4, dtype=torch.float32)
+    tiled = fddp.grad(lambda w: (fddp.all_gather(w, tiled=True) * c).sum())(w)
+    torch.testing.assert_close(tiled, n * c[4 * r : 4 * r + 4])
+    stacked = fddp.grad(lambda w: (fddp.all_gather(w) * c.view(n, 4)).sum())(w)
+    torch.testing.assert_close(stacked, n * c.view(n, 4)[r])
+
+
+def _collective_checks() -> str:
+    r, n = fddp.rank(), fddp.world_size()
+    _check_values(r, n)
+    _check_several_buckets(r, n)
+    _check_gradients(r, n)
+    return "ok"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_collectives_on_n_ranks(world_size):
+    assert run_ranks(_collective_checks, world_size) == ["ok"] * world_size
