@@ -7,7 +7,9 @@ graph to aten ops with fake tensors, so nothing real is computed while capturing
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import time
 import types
 from collections.abc import Callable
@@ -117,7 +119,8 @@ class Capture:
         self._tensors = tensors
         start = time.perf_counter()
         try:
-            self._compiled(*args)
+            with _dynamo_settings():
+                self._compiled(*args)
         except _CaptureOnly:
             pass
         except torch._dynamo.exc.BackendCompilerFailed as e:
@@ -134,9 +137,24 @@ class Capture:
         """Run the captured step once through Dynamo and return its Python output."""
         self._stop_after_capture = False
         try:
-            return self._compiled(*args)
+            with _dynamo_settings():
+                return self._compiled(*args)
         finally:
             self._compiled = None
+
+
+def _dynamo_settings() -> contextlib.AbstractContextManager:
+    """Dynamo options for capture: logging calls inside the step (model libraries warn from
+    their forward) are dropped from the graph instead of breaking it."""
+    methods = {
+        method
+        for name, method in vars(logging.Logger).items()
+        if name in _LOGGING_METHODS or name.endswith("_once")
+    }
+    return torch._dynamo.config.patch(ignore_logging_functions=methods)
+
+
+_LOGGING_METHODS = {"debug", "info", "warning", "warn", "error", "exception", "critical", "log"}
 
 
 def _explain(error: Exception) -> str:
