@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from fddp import _axes, _runtime
 from fddp._collectives import ProcessAxis, process_axis
+from fddp._replicas import check_identical
 from fddp._schedule import _fingerprint
 from fddp._schedule._capture import Capture, Captured
 from fddp._schedule._compile import Options, Program, schedule_graph
@@ -130,6 +131,7 @@ class DataParallelStep:
         donate_argnums: tuple[int, ...],
         group: dist.ProcessGroup | None,
         trace: bool,
+        check_replicas: tuple[int, ...],
     ) -> None:
         functools.update_wrapper(self, step_fn)
         self._step_fn = step_fn
@@ -138,6 +140,7 @@ class DataParallelStep:
         self._donate_argnums = donate_argnums
         self._group = group
         self._trace = trace
+        self._unchecked_argnums = check_replicas
         self._cache: dict[tuple, _Entry] = {}
         self._last_key: tuple | None = None
         self.retraces = 0
@@ -145,7 +148,17 @@ class DataParallelStep:
     def _axis(self) -> ProcessAxis:
         return process_axis(self._axis_name, self._group)
 
+    def _check_replicas(self, args: tuple) -> None:
+        """Once, before the first step: the replicated arguments must agree across ranks."""
+        argnums, self._unchecked_argnums = self._unchecked_argnums, ()
+        if argnums and _runtime.world_size(self._group) > 1:
+            chosen = [args[n] for n in argnums if -len(args) <= n < len(args)]
+            group = self._group if self._group is not None else dist.group.WORLD
+            check_identical(chosen, group, f"arguments {list(argnums)} of {self.__name__}")
+
     def __call__(self, *args: Any) -> Any:
+        if self._unchecked_argnums:
+            self._check_replicas(args)
         if not self._trace:
             with _axes.bind(self._axis()):
                 return self._step_fn(*args)
@@ -223,6 +236,7 @@ def data_parallel(
     comm_dtype: torch.dtype | None = None,
     group: dist.ProcessGroup | None = None,
     trace: bool = True,
+    check_replicas: bool | Sequence[int] = True,
 ) -> Any:
     """Turn a pure training step into one replicated over the ranks of a process group.
 
@@ -242,6 +256,9 @@ def data_parallel(
         comm_dtype: cast each bucket to this dtype for the all-reduce (e.g. ``torch.bfloat16``).
         group: the process group (default: the world).
         trace: False runs ``step_fn`` eagerly (collectives bucketed per call, no overlap).
+        check_replicas: on the first call, verify (one small all-gather of checksums) that
+            these arguments are identical on every rank; True means argument 0 (the
+            parameters), False turns the check off.
 
     Returns:
         A callable with ``step_fn``'s signature, with ``.schedule(*args)`` for the plan.
@@ -265,6 +282,7 @@ def data_parallel(
             comm_dtype=comm_dtype,
             group=group,
             trace=trace,
+            check_replicas=check_replicas,
         )
     if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
         raise ValueError("bucket_cap_mb and first_bucket_cap_mb must be positive (MiB).")
@@ -282,4 +300,5 @@ def data_parallel(
         donate_argnums=donate,
         group=group,
         trace=trace,
+        check_replicas=(0,) if check_replicas is True else tuple(check_replicas or ()),
     )
