@@ -6,6 +6,7 @@ from fddp._collectives import all_gather, axis_index, axis_size, broadcast, pmea
 from fddp._grad import grad, value_and_grad
 from fddp._module import functional, state
 from fddp._runtime import init, rank, replicate, shard, world_size
+from fddp._timeline import plot_timeline
 from fddp._transform import data_parallel
 from fddp._vmap import vmap
 
@@ -22,6 +23,7 @@ __all__ = [
     "init",
     "load",
     "optim",
+    "plot_timeline",
     "pmean",
     "psum",
     "rank",

@@ -59,13 +59,18 @@ def init(*, timeout: float | datetime.timedelta | None = None, backend: str | No
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
     _shutdown.register()
-    logger.info(
-        "fddp.init: rank %d of %d, backend %s, timeout %.0f s",
-        dist.get_rank(),
+    log_rank0(
+        "fddp.init: world of %d, backend %s, timeout %.0f s",
         dist.get_world_size(),
         backend,
         timeout.total_seconds(),
     )
+
+
+def log_rank0(message: str, *args: object) -> None:
+    """Log at INFO on the ``fddp`` logger, from rank 0 only (quiet unless INFO is enabled)."""
+    if logger.isEnabledFor(logging.INFO) and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.info(message, *args)
 
 
 def rank(group: dist.ProcessGroup | None = None) -> int:

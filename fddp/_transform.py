@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-import logging
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import optree
 import torch
 import torch.distributed as dist
 
-from fddp import _axes, _runtime
+from fddp import _axes, _runtime, _timeline
 from fddp._collectives import ProcessAxis, process_axis
 from fddp._replicas import check_identical
 from fddp._schedule import _fingerprint
@@ -20,8 +21,6 @@ from fddp._schedule._capture import Capture, Captured
 from fddp._schedule._compile import Options, Program, schedule_graph
 from fddp._schedule._plan import Schedule
 from fddp._tree import path_str
-
-logger = logging.getLogger("fddp")
 
 
 def _signature(spec: optree.PyTreeSpec, leaves: list[Any]) -> tuple:
@@ -141,6 +140,7 @@ class DataParallelStep:
         self._group = group
         self._trace = trace
         self._unchecked_argnums = check_replicas
+        self._tracing = False
         self._cache: dict[tuple, _Entry] = {}
         self._last_key: tuple | None = None
         self.retraces = 0
@@ -157,6 +157,27 @@ class DataParallelStep:
             check_identical(chosen, group, f"arguments {list(argnums)} of {self.__name__}")
 
     def __call__(self, *args: Any) -> Any:
+        if self._tracing:
+            with _timeline.step_range():
+                return self._call(*args)
+        return self._call(*args)
+
+    @contextlib.contextmanager
+    def trace(self, path: str | os.PathLike) -> Iterator[None]:
+        """Record the steps run inside the block as a Chrome trace at ``path`` (written by rank 0).
+
+        Every rank's operators and its all-reduces, as measured by ``torch.profiler``, one
+        process per rank; open it in https://ui.perfetto.dev or render it with
+        ``fddp.plot_timeline``.
+        """
+        self._tracing = True
+        try:
+            with _timeline.record(path, self._group):
+                yield
+        finally:
+            self._tracing = False
+
+    def _call(self, *args: Any) -> Any:
         if self._unchecked_argnums:
             self._check_replicas(args)
         if not self._trace:
@@ -194,7 +215,7 @@ class DataParallelStep:
         if self._last_key is not None:
             self.retraces += 1
             paths = [path_str(p) for p in optree.tree_paths(args)]
-            logger.info(
+            _runtime.log_rank0(
                 "data_parallel: retracing %s: %s",
                 self.__name__,
                 _difference(self._last_key, key, paths),
@@ -219,7 +240,8 @@ class DataParallelStep:
         group = self._group if self._group is not None else dist.group.WORLD
         _fingerprint.agree(programs[0].sequence if programs else None, error, group)
         program = programs[0]
-        logger.info("data_parallel: compiled %s\n%s", self.__name__, program.schedule)
+        program.schedule = dataclasses.replace(program.schedule, capture_seconds=captured.seconds)
+        _runtime.log_rank0("data_parallel: compiled %s\n%s", self.__name__, program.schedule)
         entry = _Entry(program, captured.inputs, capture)
         self._cache[key] = entry
         return entry
