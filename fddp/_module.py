@@ -34,7 +34,8 @@ def functional(model: nn.Module, *, return_buffers: bool = False) -> Callable[..
     ``torch.func.functional_call``; tied weights stay tied). The module is never mutated: layers
     that update buffers in training mode (BatchNorm's running statistics) update copies, which
     ``apply`` returns as ``(output, new_buffers)`` when ``return_buffers=True`` and drops
-    otherwise. The module's ``train()``/``eval()`` mode is read at each call.
+    otherwise (buffers missing from ``buffers`` start from copies of the module's own). The
+    module's ``train()``/``eval()`` mode is read at each call.
 
     >>> import fddp, torch
     >>> bn = torch.nn.BatchNorm1d(2)
@@ -54,7 +55,8 @@ def functional(model: nn.Module, *, return_buffers: bool = False) -> Callable[..
     def apply(
         params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], *args: Any, **kwargs: Any
     ) -> Any:
-        fresh = {name: b.clone() for name, b in buffers.items()}
+        own = {name: b for name, b in model.named_buffers() if name not in buffers}
+        fresh = {name: b.clone() for name, b in {**own, **buffers}.items()}
         out = torch.func.functional_call(model, (params, fresh), args, kwargs)
         return (out, fresh) if return_buffers else out
 
