@@ -110,7 +110,7 @@ class ProcessAxis:
 def _gather(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
     if size == 1:
         return x.clone()
-    return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 0, group_name))
+    return funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), 0, group_name))
 
 
 class _AllGather(torch.autograd.Function):
