@@ -7,7 +7,7 @@ import dataclasses
 import torch
 from torch import fx
 
-from fddp._schedule import _backend, _bucket, _overlap, _plan, _reinplace
+from fddp._schedule import _backend, _bucket, _overlap, _plan, _reinplace, _split
 from fddp._schedule._capture import Captured
 from fddp._schedule._fingerprint import collective_sequence
 
@@ -45,7 +45,9 @@ def schedule_graph(captured: Captured, options: Options, donated: set[int]) -> P
     in_place = options.compile in (False, None, "fx")
     bucket_nodes = _bucket.rewrite(graph, buckets, options.comm_dtype, functional=not in_place)
     if options.overlap:
+        _split.split_foreach(graph)
         _overlap.overlap(graph)
+        _split.order_by_bucket(graph)
     if options.reinplace and in_place:
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         donated_nodes = {
