@@ -9,19 +9,12 @@ from typing import Any
 import optree
 import torch
 
-from fddp._tree import leaves_with_paths
+from fddp._tree import leaves_with_paths, tensor_leaves
 
 
 def _differentiable_leaves(arg: Any, argnum: int) -> tuple[list[torch.Tensor], Any]:
-    paths, leaves, spec = leaves_with_paths(arg)
-    for path, leaf in zip(paths, leaves):
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(
-                f"argument {argnum} leaf {path} is a {type(leaf).__name__}, not a tensor: every "
-                f"leaf of a differentiated argument must be a floating-point tensor. Pass "
-                f"non-tensor values in another argument (argnums selects which are "
-                f"differentiated)."
-            )
+    leaves, spec = tensor_leaves(arg, f"differentiated argument {argnum}")
+    for path, leaf in zip(leaves_with_paths(arg)[0], leaves):
         if not (leaf.is_floating_point() or leaf.is_complex()):
             raise TypeError(
                 f"argument {argnum} leaf {path} has dtype {leaf.dtype}; gradients need floating "

@@ -36,19 +36,6 @@ def tensor_leaves(tree: Any, what: str) -> tuple[list[torch.Tensor], optree.PyTr
     return leaves, spec
 
 
-def structure_mismatch(a: Any, b: Any) -> str | None:
-    """Describe the first difference between the structures of two trees, or None if equal."""
-    a_paths, _, a_spec = leaves_with_paths(a)
-    b_paths, _, b_spec = leaves_with_paths(b)
-    if a_spec == b_spec:
-        return None
-    missing = [p for p in a_paths if p not in set(b_paths)]
-    extra = [p for p in b_paths if p not in set(a_paths)]
-    if missing or extra:
-        return f"leaves only in the first: {missing[:5]}, only in the second: {extra[:5]}"
-    return f"same leaf paths but different node types: {a_spec} vs {b_spec}"
-
-
 def pack_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Concatenate tensors of any dtypes into one flat uint8 buffer."""
     if not tensors:
