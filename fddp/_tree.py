@@ -29,7 +29,7 @@ def tensor_leaves(tree: Any, what: str) -> tuple[list[torch.Tensor], optree.PyTr
     for path, leaf in zip(paths, leaves):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(
-                f"{what}: leaf {path} is a {type(leaf).__name__}, not a torch.Tensor. "
+                f"{what} leaf {path} is a {type(leaf).__name__}, not a torch.Tensor. "
                 f"Every leaf of {what} must be a tensor: convert it with torch.as_tensor, "
                 "or move it out of this argument."
             )
