@@ -230,19 +230,13 @@ def test_mlp_matches_single_process_on_global_batch(mlp_runs):
         assert len({c[1] for c in _result(run, "fx_schedule")}) > 2  # several buckets
 
 
-COMM_DTYPE_BUG = (
-    "comm_dtype with pmean: the bucket copy div.Scalar_out(grad, n, out=<bf16 slot of the flat "
-    "buffer>) raises 'Expected out tensor to have dtype float, but got c10::BFloat16'"
-)
-
-
 @pytest.mark.parametrize(
     "variant",
     [
         "fx",
         "eager",
         "donated",
-        pytest.param("bf16", marks=pytest.mark.xfail(strict=True, reason=COMM_DTYPE_BUG)),
+        "bf16",
         "accum",
         "inductor",
     ],
@@ -279,7 +273,6 @@ def test_comm_dtype_bfloat16_schedule_reduces_in_bfloat16(mlp_runs):
         assert leaves == [names for _, names, _ in _result(run, "fx_schedule")]
 
 
-@pytest.mark.xfail(strict=True, reason=COMM_DTYPE_BUG)
 def test_comm_dtype_bfloat16_results_close_to_float32(mlp_runs):
     for run in mlp_runs:
         bf16, fx = _result(run, "bf16")["params"], _result(run, "fx")["params"]

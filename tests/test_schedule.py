@@ -23,11 +23,6 @@ aten = torch.ops.aten
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 MIB = 2**20
 SIZES = (16, 24, 32, 40, 8)  # weights of 1536, 3072, 5120 and 1280 bytes, first layer first
-COMM_DTYPE_BUG = (
-    "comm_dtype with pmean: the bucket copy div.Scalar_out(grad, n, out=<bf16 slot of the flat "
-    "buffer>) raises 'Expected out tensor to have dtype float, but got c10::BFloat16'"
-)
-
 
 # --- graph queries ---------------------------------------------------------------------------
 
@@ -421,7 +416,6 @@ def test_comm_dtype_casts_each_bucket_for_the_all_reduce(dtype):
     assert all(n.meta["val"].dtype == torch.float32 for n in outputs)  # cast back
 
 
-@pytest.mark.xfail(strict=True, reason=COMM_DTYPE_BUG)
 def test_comm_dtype_step_runs_and_stays_close_to_float32():
     pstep, (params, batch), step, _, _ = _case("mlp-bf16")
     new, _ = pstep(params, batch)
@@ -440,12 +434,6 @@ def test_accumulation_loop_reduces_each_gradient_once():
     assert sum(_is_all_reduce(n) for n in view.nodes) == len(schedule.buckets) == len(params)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DESIGN.md: with k microbatches summed in the step the one reduction should overlap "
-    "the last microbatch's backward; the summing adds are traced after that whole backward "
-    "and no pass moves them, so every bucket launches after it.",
-)
 def test_accumulated_reduction_overlaps_the_last_microbatch_backward():
     _, _, _, schedule, view = _case("accumulation")
     last_layer = _models.mlp_weight_names(SIZES)[-1]

@@ -154,8 +154,10 @@ def _pack_in_place(
         )
         if divisor is None:
             add(aten.copy_.default, slot, m.source)
-        else:
+        elif wire == value(m.source).dtype:
             add(aten.div.Scalar_out, m.source, divisor, out=slot)
+        else:  # out= cannot cast: divide in the gradient's precision, then copy_ casts
+            add(aten.copy_.default, slot, add(aten.div.Tensor, m.source, divisor))
     group, op = bucket[0].collective.args[2], bucket[0].collective.args[1]
     return add(ALL_REDUCE_INPLACE, flat, op, group)
 

@@ -40,6 +40,8 @@ def schedule_graph(captured: Captured, options: Options, donated: set[int]) -> P
     """
     gm = captured.graph
     graph = gm.graph
+    if options.overlap:
+        _overlap.hoist_gradient_sums(graph)
     members = _bucket.find_members(graph)
     buckets = _bucket.assign(members, options.bucket_cap_bytes, options.first_bucket_cap_bytes)
     in_place = options.compile in (False, None, "fx")

@@ -6,12 +6,14 @@ placed between a launch and its wait runs while the collective is in flight.
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 
 from fddp._schedule._graph import (
     in_place_writes,
     is_collective,
     is_wait,
+    mutated_inputs,
     positions,
     ready_position,
 )
@@ -52,6 +54,40 @@ def hoist_launches(graph: fx.Graph) -> None:
         ready = max(ready_position(pos, writes, s, launch) for s in sources)
         if ready < pos[launch] - 1:
             list(graph.nodes)[ready].append(launch)
+
+
+_CHEAP = {"add", "sub", "mul", "div", "neg", "view", "reshape", "t", "_unsafe_view", "clone"}
+
+
+def _cheap(node: fx.Node) -> bool:
+    target = node.target
+    return (
+        isinstance(target, torch._ops.OpOverload)
+        and target._opname in _CHEAP
+        and not mutated_inputs(node)
+    )
+
+
+def hoist_gradient_sums(graph: fx.Graph) -> None:
+    """Move the cheap ops that finish each all-reduced value up to right after their inputs.
+
+    A gradient summed over microbatches is finished by an ``add`` that the trace places after
+    the whole last backward pass; hoisted to where its last term is produced, its bucket can
+    launch during that backward instead of after it.
+    """
+    sources = [n.args[0] for n in graph.nodes if is_collective(n) and n.args]
+    cone: set[fx.Node] = set()
+    stack = [s for s in sources if isinstance(s, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node not in cone and _cheap(node):
+            cone.add(node)
+            stack.extend(node.all_input_nodes)
+    for node in sorted(cone, key=positions(graph).__getitem__):
+        pos, writes = positions(graph), in_place_writes(graph)
+        ready = max(ready_position(pos, writes, a, node) for a in node.all_input_nodes)
+        if ready < pos[node] - 1:
+            list(graph.nodes)[ready].append(node)
 
 
 def overlap(graph: fx.Graph) -> None:
