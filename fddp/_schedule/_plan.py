@@ -62,8 +62,9 @@ class Schedule:
                 f"{i:>3} {c.kind:<14} {c.nbytes / 2**20:>8.3f} {c.dtype:<9} {c.launch:>7} "
                 f"{c.wait:>7} {c.overlapped:>8}  {leaves}"
             )
+        n, b = len(self.collectives), len(self.buckets)
         rows.append(
-            f"{len(self.collectives)} collectives ({len(self.buckets)} gradient buckets) over "
+            f"{n} collective{'s' * (n != 1)} ({b} bucketed all-reduce{'s' * (b != 1)}) over "
             f"{self.compute_nodes} compute nodes; captured in {self.capture_seconds:.2f} s"
         )
         return "\n".join(rows)
