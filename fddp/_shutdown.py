@@ -14,15 +14,15 @@ import torch.distributed as dist
 
 logger = logging.getLogger("fddp")
 
-# Why exit could abort (measured on torch 2.13 CPU, gdb on the core dumps): a gloo worker thread
-# ("pt_gloo_runloop") drops its reference to a finished collective after the waiting Python
-# thread has already moved on. The collective's tensors own their Python objects, so dropping
-# them takes the GIL; if that happens once Py_FinalizeEx has begun, CPython ends the thread
-# with pthread_exit, whose forced unwind meets a noexcept destructor: std::terminate, SIGABRT.
-# destroy_process_group() would join those threads, but torch.distributed.nn.functional (which
-# torch._dynamo imports, so torch.func.grad and funcol do too) binds `group=group.WORLD` as a
-# default argument when it is imported after init, and that reference keeps the gloo backend and
-# its threads alive until the interpreter is already finalizing.
+# Why exit could abort (torch 2.13 CPU; gdb on the core dumps): a gloo worker thread
+# ("pt_gloo_runloop") drops its reference to a finished collective after the Python thread that
+# waited on it has moved on. The collective's tensors own their Python objects, so dropping them
+# takes the GIL; once Py_FinalizeEx has begun, CPython ends such a thread with pthread_exit, whose
+# forced unwind hits a noexcept destructor: std::terminate, SIGABRT. destroy_process_group()
+# joins those threads when it drops the last reference to the gloo backend, but
+# torch.distributed.nn.functional (imported by torch._dynamo, so by torch.func.grad and funcol)
+# binds `group=group.WORLD` as a default argument when imported after init, and that reference
+# kept the backend and its threads alive until the interpreter was already finalizing.
 
 _WORKER_THREAD_NAME = "pt_gloo_runloop"
 IDLE_WAIT_S = 2.0

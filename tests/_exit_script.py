@@ -1,0 +1,139 @@
+"""A small 2-rank training script that ends without any cleanup; test_shutdown.py runs it.
+
+As a rank (``python tests/_exit_script.py`` with the torchrun environment) it trains a few steps
+with ``torch.func.grad``, ``all_reduce`` and functional collectives and returns;
+``FDDP_EXIT_SCRIPT_END`` picks another ending: ``raise`` (every rank raises after training),
+``exit3`` (``sys.exit(3)``) or ``raise_early`` (rank 0 raises before the last collective).
+
+``python tests/_exit_script.py --forked-launches RUNS PARALLEL TIMEOUT`` runs RUNS 2-rank
+launches, PARALLEL at a time, each rank forked from this process, and prints one JSON list of
+``{"launch", "rank", "status", "output"}``. A forked rank skips importing torch (seconds per
+process) but otherwise lives like a script: it runs :func:`main`, then the interpreter exits
+normally, exit handlers included.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import fddp
+
+WORLD_SIZE = 2
+_OUTPUT_TAIL_CHARS = 4000
+
+
+def _report_gloo_workers() -> None:
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    print(f"gloo workers after exit handlers: {names.count('pt_gloo_runloop')}", flush=True)
+
+
+def _loss(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return (torch.tanh(x @ params["w"]) + params["b"]).pow(2).mean()
+
+
+def main() -> None:
+    """Train a few steps on every rank, then end as ``FDDP_EXIT_SCRIPT_END`` says."""
+    if os.path.isdir("/proc/self/task"):
+        atexit.register(_report_gloo_workers)  # registered first, so it runs after fddp's
+    end = os.environ.get("FDDP_EXIT_SCRIPT_END", "")
+    fddp.init()
+    torch.manual_seed(0)
+    params = {"w": torch.randn(16, 32), "b": torch.randn(32)}
+    x = torch.randn(8, 16) + fddp.rank()
+    for step in range(5):
+        grads = torch.func.grad(_loss)(params, x)
+        for name, g in grads.items():
+            if end == "raise_early" and step == 4 and fddp.rank() == 0:
+                raise RuntimeError("rank 0 fails before the last collective")
+            dist.all_reduce(g)
+            g = funcol.wait_tensor(funcol.all_reduce(g, "sum", dist.group.WORLD))
+            params[name] = params[name] - 0.01 * g / (2 * fddp.world_size())
+    print(f"rank {fddp.rank()} trained, loss {float(_loss(params, x)):.6f}", flush=True)
+    if end == "raise":
+        raise RuntimeError(f"rank {fddp.rank()} fails after training")
+    if end == "exit3":
+        sys.exit(3)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: str) -> str:
+    with open(path, "rb") as f:
+        return f.read()[-_OUTPUT_TAIL_CHARS:].decode(errors="replace")
+
+
+def _forked_launches(runs: int, parallel: int, timeout: float) -> None:
+    # A fresh script imports these only after fddp.init(), which is what pins the process group
+    # (see fddp/_shutdown.py); forked ranks must start from the same state.
+    assert "torch._dynamo" not in sys.modules and "torch.distributed.nn" not in sys.modules
+    tmp = tempfile.mkdtemp(prefix="fddp-exit-")
+    results = []
+    for first in range(0, runs, parallel):
+        children: dict[int, tuple[int, int, str]] = {}
+        for launch in range(first, min(runs, first + parallel)):
+            port = _free_port()
+            for rank in range(WORLD_SIZE):
+                log = os.path.join(tmp, f"launch{launch}-rank{rank}.log")
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                    os.dup2(fd, 1)
+                    os.dup2(fd, 2)
+                    os.environ.update(
+                        RANK=str(rank),
+                        WORLD_SIZE=str(WORLD_SIZE),
+                        LOCAL_RANK=str(rank),
+                        LOCAL_WORLD_SIZE=str(WORLD_SIZE),
+                        MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(port),
+                    )
+                    main()
+                    sys.exit(0)  # unwinds to the top: the interpreter's normal exit
+                children[pid] = (launch, rank, log)
+        deadline = time.monotonic() + timeout
+        while children and time.monotonic() < deadline:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                time.sleep(0.02)
+                continue
+            launch, rank, log = children.pop(pid)
+            code = os.waitstatus_to_exitcode(status)
+            results.append({"launch": launch, "rank": rank, "status": code, "output": _tail(log)})
+        for pid, (launch, rank, log) in children.items():
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            output = _tail(log) + f"\n[killed after {timeout:g} s]"
+            results.append({"launch": launch, "rank": rank, "status": None, "output": output})
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--forked-launches"]:
+        _forked_launches(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))
+    else:
+        main()
