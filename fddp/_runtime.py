@@ -39,6 +39,7 @@ def init(*, timeout: float | datetime.timedelta | None = None, backend: str | No
     True
     """
     if dist.is_initialized():
+        _shutdown.register()  # a group made by dist.init_process_group needs the handler too
         return
     if timeout is None:
         timeout = DEFAULT_TIMEOUT_S
