@@ -20,6 +20,7 @@ class Axis(Protocol):
     """What a collective needs from a bound axis; each kind implements the per-leaf math."""
 
     name: str
+    traced: bool  # collectives go one per leaf into a graph that fddp schedules
 
     def size(self) -> int: ...
 

@@ -69,6 +69,7 @@ class ProcessAxis:
     group_name: str
     group_size: int
     group_rank: int
+    traced: bool = False
 
     def size(self) -> int:
         return self.group_size
@@ -77,10 +78,10 @@ class ProcessAxis:
         return torch.tensor(self.group_rank)
 
     def psum(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self.group_size == 1 and not torch.compiler.is_compiling():
-            return [x.clone() for x in leaves]
-        if torch.compiler.is_compiling():
+        if self.traced:
             return [_all_reduce_sum(x, self.group_name) for x in leaves]
+        if self.group_size == 1:
+            return [x.clone() for x in leaves]
         out: list[torch.Tensor] = [None] * len(leaves)  # type: ignore[list-item]
         for bucket in _eager_buckets(leaves):
             flat = torch.cat([leaves[i].reshape(-1) for i in bucket])
@@ -132,11 +133,18 @@ class _AllGather(torch.autograd.Function):
         return total.narrow(0, rank * ctx.rows, ctx.rows), None, None
 
 
-def process_axis(name: str, group: dist.ProcessGroup | None) -> ProcessAxis:
-    """Describe ``group`` (default: the world) as an axis called ``name``."""
+def process_axis(
+    name: str, group: dist.ProcessGroup | None, *, traced: bool = False
+) -> ProcessAxis:
+    """Describe ``group`` (default: the world) as an axis called ``name``.
+
+    ``traced`` axes issue one collective per leaf, annotated with its path, for the scheduler to
+    bucket; eager ones pack each call's leaves into flat buckets themselves.
+    """
     _runtime.init()
     group = group if group is not None else dist.group.WORLD
-    return ProcessAxis(name, group.group_name, dist.get_world_size(group), dist.get_rank(group))
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    return ProcessAxis(name, group.group_name, size, rank, traced)
 
 
 def default_process_axis() -> ProcessAxis:
@@ -144,14 +152,14 @@ def default_process_axis() -> ProcessAxis:
     return process_axis(DEFAULT_AXIS, None)
 
 
-def _map_tensors(tree: Any, what: str, fn: Any) -> Any:
+def _map_tensors(tree: Any, what: str, axis: _axes.Axis, fn: Any) -> Any:
     """Apply ``fn(list_of_leaves)`` to the tensor leaves of ``tree``.
 
-    While tracing, each leaf goes through ``fn`` alone inside an annotation naming its path, so
+    On a traced axis each leaf goes through ``fn`` alone inside an annotation naming its path, so
     the scheduler can bucket the per-leaf collectives and report which leaves each bucket holds.
     """
     leaves, spec = tensor_leaves(tree, what)
-    if not torch.compiler.is_compiling():
+    if not axis.traced:
         return optree.tree_unflatten(spec, fn(leaves))
     out = []
     for path, leaf in zip(leaves_with_paths(tree)[0], leaves):
@@ -172,7 +180,7 @@ def psum(tree: Any, axis_name: str = DEFAULT_AXIS) -> Any:
     tensor([1., 1., 1.])
     """
     axis = _axes.lookup(axis_name)
-    return _map_tensors(tree, "psum's tree", axis.psum)
+    return _map_tensors(tree, "psum's tree", axis, axis.psum)
 
 
 def pmean(tree: Any, axis_name: str = DEFAULT_AXIS) -> Any:
@@ -187,7 +195,7 @@ def pmean(tree: Any, axis_name: str = DEFAULT_AXIS) -> Any:
     """
     axis = _axes.lookup(axis_name)
     n = axis.size()
-    return _map_tensors(tree, "pmean's tree", lambda xs: [y / n for y in axis.psum(xs)])
+    return _map_tensors(tree, "pmean's tree", axis, lambda xs: [y / n for y in axis.psum(xs)])
 
 
 def all_gather(tree: Any, axis_name: str = DEFAULT_AXIS, *, tiled: bool = False) -> Any:
@@ -201,7 +209,7 @@ def all_gather(tree: Any, axis_name: str = DEFAULT_AXIS, *, tiled: bool = False)
     torch.Size([1, 2])
     """
     axis = _axes.lookup(axis_name)
-    return _map_tensors(tree, "all_gather's tree", lambda xs: axis.all_gather(xs, tiled))
+    return _map_tensors(tree, "all_gather's tree", axis, lambda xs: axis.all_gather(xs, tiled))
 
 
 def broadcast(tree: Any, src: int = 0, axis_name: str = DEFAULT_AXIS) -> Any:
@@ -218,7 +226,7 @@ def broadcast(tree: Any, src: int = 0, axis_name: str = DEFAULT_AXIS) -> Any:
             f"broadcast: src={src} is not a replica index of axis "
             f"{axis_name!r}, which has {size} replicas."
         )
-    return _map_tensors(tree, "broadcast's tree", lambda xs: axis.broadcast(xs, src))
+    return _map_tensors(tree, "broadcast's tree", axis, lambda xs: axis.broadcast(xs, src))
 
 
 def axis_index(axis_name: str = DEFAULT_AXIS) -> torch.Tensor:

@@ -17,7 +17,7 @@ from fddp import _axes, _runtime, _timeline
 from fddp._collectives import ProcessAxis, process_axis
 from fddp._replicas import check_identical
 from fddp._schedule import _fingerprint
-from fddp._schedule._capture import Capture, Captured
+from fddp._schedule._capture import Captured, DynamoCapture, trace_with_make_fx
 from fddp._schedule._compile import Options, Program, schedule_graph
 from fddp._schedule._plan import Schedule
 from fddp._tree import path_str
@@ -82,39 +82,38 @@ class _Entry:
     """A compiled program for one signature, and how to map its outputs back to a pytree."""
 
     program: Program
-    inputs: list[int | torch.Tensor]
-    capture: Capture | None
-    outputs: list[tuple[str, Any]] | None = None
-    out_spec: optree.PyTreeSpec | None = None
+    captured: Captured
+    dynamo: DynamoCapture | None
 
     def run(self, tensors: list[torch.Tensor]) -> Any:
-        graph_inputs = [tensors[i] if isinstance(i, int) else i for i in self.inputs]
+        graph_inputs = [tensors[i] if isinstance(i, int) else i for i in self.captured.inputs]
         results = self.program.run(graph_inputs)
         leaves = [
             results[v] if kind == "graph" else tensors[v] if kind == "arg" else v
-            for kind, v in self.outputs
+            for kind, v in self.captured.outputs
         ]
-        return optree.tree_unflatten(self.out_spec, leaves)
+        return optree.tree_unflatten(self.captured.out_spec, leaves)
 
     def run_first(self, args: tuple, tensors: list[torch.Tensor], axis: ProcessAxis) -> Any:
-        """Run through Dynamo once, learning where each output leaf comes from."""
+        """Run a Dynamo capture once through Dynamo, learning where each output leaf comes from."""
         with _axes.bind(axis):
-            out = self.capture.run_once(args)
-        graph_outputs = self.capture.graph_outputs
-        self.capture = None
-        leaves, self.out_spec = optree.tree_flatten(out)
+            out = self.dynamo.run_once(args)
+        graph_outputs = self.dynamo.graph_outputs
+        self.dynamo = None
+        leaves, self.captured.out_spec = optree.tree_flatten(out)
         from_graph = {id(t): k for k, t in enumerate(graph_outputs)}
         from_args = {id(t): i for i, t in enumerate(tensors)}
-        self.outputs = []
+        outputs = []
         for leaf in leaves:
             if not isinstance(leaf, torch.Tensor):
-                self.outputs.append(("const", leaf))
+                outputs.append(("const", leaf))
             elif id(leaf) in from_graph:
-                self.outputs.append(("graph", from_graph[id(leaf)]))
+                outputs.append(("graph", from_graph[id(leaf)]))
             elif id(leaf) in from_args:
-                self.outputs.append(("arg", from_args[id(leaf)]))
+                outputs.append(("arg", from_args[id(leaf)]))
             else:
                 raise AssertionError("an output tensor of the captured step has no known source")
+        self.captured.outputs = outputs
         return out
 
 
@@ -145,8 +144,8 @@ class DataParallelStep:
         self._last_key: tuple | None = None
         self.retraces = 0
 
-    def _axis(self) -> ProcessAxis:
-        return process_axis(self._axis_name, self._group)
+    def _axis(self, traced: bool = False) -> ProcessAxis:
+        return process_axis(self._axis_name, self._group, traced=traced)
 
     def _check_replicas(self, args: tuple) -> None:
         """Once, before the first step: the replicated arguments must agree across ranks."""
@@ -189,8 +188,8 @@ class DataParallelStep:
         entry = self._cache.get(key)
         if entry is None:
             entry = self._compile(key, args, tensors)
-        if entry.outputs is None:
-            return entry.run_first(args, tensors, self._axis())
+        if entry.captured.outputs is None:
+            return entry.run_first(args, tensors, self._axis(traced=True))
         return entry.run(tensors)
 
     def schedule(self, *args: Any) -> Schedule:
@@ -221,30 +220,48 @@ class DataParallelStep:
                 _difference(self._last_key, key, paths),
             )
         self._last_key = key
-        programs: list[Program] = []
+        error, entry = None, None
+        try:
+            with _axes.bind(self._axis(traced=True)):
+                entry = self._capture(args, tensors)
+        except Exception as e:  # every rank must learn about it before anyone runs a collective
+            error = e
+        group = self._group if self._group is not None else dist.group.WORLD
+        _fingerprint.agree(entry.program.sequence if entry else None, error, group)
+        program, captured = entry.program, entry.captured
+        program.schedule = dataclasses.replace(program.schedule, capture_seconds=captured.seconds)
+        _runtime.log_rank0(
+            "data_parallel: compiled %s (captured with %s)\n%s",
+            self.__name__,
+            captured.method,
+            program.schedule,
+        )
+        self._cache[key] = entry
+        return entry
 
+    def _capture(self, args: tuple, tensors: list[torch.Tensor]) -> _Entry:
+        """make_fx first; Dynamo for steps make_fx cannot trace (see ``_capture``)."""
         donated = _donated_leaves(args, self._donate_argnums)
+        try:
+            captured = trace_with_make_fx(self._step_fn, args)
+        except Exception as e:
+            _runtime.log_rank0(
+                "data_parallel: make_fx could not trace %s (%s: %s); capturing with Dynamo",
+                self.__name__,
+                type(e).__name__,
+                str(e).split("\n")[0],
+            )
+        else:
+            return _Entry(schedule_graph(captured, self._options, donated), captured, None)
+        programs: list[Program] = []
 
         def make_executable(captured: Captured) -> Callable:
             programs.append(schedule_graph(captured, self._options, donated))
             return programs[-1].run
 
-        capture = Capture(self._step_fn, make_executable)
-        axis = self._axis()
-        error = None
-        try:
-            with _axes.bind(axis):
-                captured = capture.trace(args, tensors)
-        except Exception as e:  # every rank must learn about it before anyone runs a collective
-            error = e
-        group = self._group if self._group is not None else dist.group.WORLD
-        _fingerprint.agree(programs[0].sequence if programs else None, error, group)
-        program = programs[0]
-        program.schedule = dataclasses.replace(program.schedule, capture_seconds=captured.seconds)
-        _runtime.log_rank0("data_parallel: compiled %s\n%s", self.__name__, program.schedule)
-        entry = _Entry(program, captured.inputs, capture)
-        self._cache[key] = entry
-        return entry
+        dynamo = DynamoCapture(self._step_fn, make_executable)
+        captured = dynamo.trace(args, tensors)
+        return _Entry(programs[0], captured, dynamo)
 
 
 def data_parallel(

@@ -172,6 +172,7 @@ class VmapAxis:
     name: str
     replicas: int
     replica_index: torch.Tensor
+    traced = False
 
     def size(self) -> int:
         return self.replicas

@@ -1,8 +1,11 @@
-"""Capture a step as one aten graph: Dynamo (fullgraph) first, then make_fx down to aten ops.
+"""Capture a step as one aten graph on fake tensors, so nothing real runs while capturing.
 
-Dynamo copes with real model code (it evaluates ``is_torchdynamo_compiling()`` branches and
-Python containers), ``torch.func`` transforms and functional collectives; make_fx then lowers its
-graph to aten ops with fake tensors, so nothing real is computed while capturing.
+First choice: ``make_fx`` on the flattened step. It runs the step's Python once on fake tensors
+(a fraction of a second for a small model) and records every aten op, ``torch.func`` transforms
+and functional collectives included. Steps it cannot trace, typically model code that branches
+on tensor values unless ``torch.compiler.is_compiling()`` (Hugging Face's mask utilities), go
+through Dynamo (``fullgraph=True``), whose graph make_fx then lowers to aten: slower (seconds),
+but it evaluates such code the way ``torch.compile`` would.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import torch
 import torch.fx.traceback as fx_traceback
 from torch import fx
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fddp._schedule._graph import remove_double_waits
@@ -34,15 +39,62 @@ class _CaptureOnly(Exception):
 
 @dataclasses.dataclass
 class Captured:
-    """An aten graph and where each of its inputs comes from.
+    """An aten graph, where each of its inputs comes from and where the step's outputs go.
 
     ``inputs[k]`` is an index into the step's flat tensor arguments, or a tensor the step closes
-    over (a module buffer, a constant), held by reference.
+    over (a module buffer, a constant), held by reference. ``outputs`` lists, per leaf of the
+    step's output, ``("graph", k)`` for graph output ``k``, ``("arg", i)`` for tensor argument
+    ``i`` returned as it is, or ``("const", value)``; with ``out_spec`` it rebuilds the output.
+    A Dynamo capture learns them on its first run (until then they are None).
     """
 
     graph: fx.GraphModule
     inputs: list[int | torch.Tensor]
     seconds: float
+    outputs: list[tuple[str, Any]] | None = None
+    out_spec: optree.PyTreeSpec | None = None
+    method: str = "make_fx"
+
+
+def _tidy(gm: fx.GraphModule) -> fx.GraphModule:
+    remove_double_waits(gm.graph)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def trace_with_make_fx(fn: Callable[..., Any], args: tuple) -> Captured:
+    """Capture ``fn(*args)`` by running it once on fake tensors under make_fx.
+
+    Tensors ``fn`` closes over become graph constants held by reference; non-tensor leaves of
+    ``args`` and of the output are constants of this capture.
+    """
+    start = time.perf_counter()
+    leaves, spec = optree.tree_flatten(args)
+    is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+    outputs: dict[str, Any] = {}
+
+    def flat_step(*tensors: torch.Tensor) -> list[torch.Tensor]:
+        it = iter(tensors)
+        full = [next(it) if t else x for t, x in zip(is_tensor, leaves)]
+        out_leaves, outputs["spec"] = optree.tree_flatten(fn(*optree.tree_unflatten(spec, full)))
+        outputs["leaves"] = out_leaves
+        return [x for x in out_leaves if isinstance(x, torch.Tensor)]
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [fake_mode.from_tensor(x) for x, t in zip(leaves, is_tensor) if t]
+    with fake_mode, fx_traceback.preserve_node_meta():
+        gm = make_fx(flat_step)(*fakes)
+    mapping, k = [], 0
+    for leaf in outputs["leaves"]:
+        if isinstance(leaf, torch.Tensor):
+            mapping.append(("graph", k))
+            k += 1
+        else:
+            mapping.append(("const", leaf))
+    return Captured(
+        _tidy(gm), list(range(len(fakes))), time.perf_counter() - start, mapping, outputs["spec"]
+    )
 
 
 def lower_to_aten(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> fx.GraphModule:
@@ -51,10 +103,7 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> fx.
     fakes = [fake_mode.from_tensor(t) for t in example_inputs]
     with fake_mode, fx_traceback.preserve_node_meta():
         aten = make_fx(lambda *args: fx.Interpreter(gm).run(*args))(*fakes)
-    remove_double_waits(aten.graph)
-    aten.graph.eliminate_dead_code()
-    aten.recompile()
-    return aten
+    return _tidy(aten)
 
 
 def _fresh_function(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -76,7 +125,7 @@ def _fresh_function(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fresh
 
 
-class Capture:
+class DynamoCapture:
     """One Dynamo compilation of ``fn(*args)`` whose backend builds an executable.
 
     ``make_executable(captured)`` turns the aten graph into ``run(inputs) -> outputs``. The first
@@ -103,7 +152,7 @@ class Capture:
         positions = {id(t): i for i, t in enumerate(self._tensors)}
         inputs: list[int | torch.Tensor] = [positions.get(id(t), t) for t in example_inputs]
         aten = lower_to_aten(gm, example_inputs)
-        self.captured = Captured(aten, inputs, time.perf_counter() - start)
+        self.captured = Captured(aten, inputs, time.perf_counter() - start, method="dynamo")
         self.executable = self._make_executable(self.captured)
 
         def call(*graph_inputs: torch.Tensor) -> list[torch.Tensor]:
