@@ -33,10 +33,27 @@ def _checksums(leaves: list[torch.Tensor]) -> torch.Tensor:
 def check_identical(tree: Any, group: dist.ProcessGroup, what: str) -> None:
     """Raise on every rank if the tensor leaves of ``tree`` differ between ranks.
 
-    One small all-gather of two checksums per leaf; NaNs compare equal to NaNs.
+    First the trees' layouts (structure, leaf paths, shapes, dtypes) are compared, so that the
+    checksum all-gather below has the same size on every rank; then one small all-gather of two
+    checksums per leaf; NaNs compare equal to NaNs.
     """
-    paths, leaves, _ = leaves_with_paths(tree)
+    paths, leaves, spec = leaves_with_paths(tree)
     tensors = [(p, x) for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)]
+    layout = (str(spec), [(p, tuple(x.shape), str(x.dtype)) for p, x in tensors])
+    layouts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(layouts, layout, group=group)
+    for r, (their_spec, theirs) in enumerate(layouts[1:], start=1):
+        if (their_spec, theirs) != layouts[0]:
+            ours = layouts[0][1]
+            first = next(
+                ((a, b) for a, b in zip([*theirs, None], [*ours, None]) if a != b),
+                (their_spec, layouts[0][0]),
+            )
+            raise ReplicaMismatchError(
+                f"{what} differ between ranks: rank {r} holds a differently shaped tree than "
+                f"rank 0 (first difference: {first[0]} on rank {r}, {first[1]} on rank 0). "
+                "Build the same tree on every rank (same model code and config)."
+            )
     local = _checksums([x for _, x in tensors])
     everyone = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, local, group=group)

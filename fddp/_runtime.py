@@ -17,6 +17,7 @@ from fddp._tree import leaves_with_paths, pack_bytes, unpack_bytes
 logger = logging.getLogger("fddp")
 
 DEFAULT_TIMEOUT_S = 300.0
+_timeout_s: float | None = None  # set by init(); None when the user made the group
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -45,6 +46,8 @@ def init(*, timeout: float | datetime.timedelta | None = None, backend: str | No
         timeout = DEFAULT_TIMEOUT_S
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))
+    global _timeout_s
+    _timeout_s = timeout.total_seconds()
     launched = all(v in os.environ for v in _LAUNCHER_VARS)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -65,6 +68,33 @@ def init(*, timeout: float | datetime.timedelta | None = None, backend: str | No
         dist.get_world_size(),
         backend,
         timeout.total_seconds(),
+    )
+
+
+class RankFailureError(RuntimeError):
+    """A collective failed because another rank died, is stuck, or was slower than the timeout."""
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a collective's failure to hear from another rank (gloo or NCCL)."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(
+        s in text for s in ("gloo/transport", "Connection closed", "Connection reset", "NCCL")
+    )
+
+
+def peer_failure(error: BaseException, where: str, seconds: float) -> RankFailureError:
+    """A :class:`RankFailureError` that says what to do, to raise ``from error``."""
+    timeout = f"{_timeout_s:g} s" if _timeout_s is not None else "the process group's timeout"
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return RankFailureError(
+        f"{where}: a collective failed on rank {dist.get_rank()} after {seconds:.1f} s: "
+        f"{first_line}\nAnother rank has died (seen at once) or is stuck (seen after {timeout}, "
+        "set with fddp.init(timeout=...)). Its own log holds the cause: under torchrun, the "
+        "'Root Cause' section. If no rank failed, one of them spent longer than the timeout "
+        "between two collectives (evaluation or checkpointing on rank 0 only, a slow first "
+        "capture): raise the timeout. To go on, restart from the last checkpoint "
+        "(examples/elastic.py shows how)."
     )
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -58,6 +60,32 @@ def _describe(part: tuple) -> str:
         shape, _, dtype, device, _ = part
         return f"{dtype} {list(shape)} on {device}"
     return repr(part[1])
+
+
+def _portable(key: tuple) -> list[str]:
+    """A signature as ranks can compare it: the tree, then one line per leaf.
+
+    Devices enter by type only (rank r computes on ``cuda:r``), and non-tensor leaves by value
+    only when their repr cannot hold an address.
+    """
+    spec, parts = key
+    lines = [str(spec)]
+    for index, part in enumerate(parts):
+        if len(part) == 5:
+            shape, stride, dtype, device, alias = part
+            line = f"{dtype} {list(shape)} on {device.type} (strides {list(stride)})"
+            lines.append(line + (f", the same tensor as leaf {alias}" if alias != index else ""))
+        else:
+            kind, value = part
+            plain = kind in (bool, int, float, str, type(None))
+            lines.append(f"{kind.__qualname__} {value!r}" if plain else kind.__qualname__)
+    return lines
+
+
+def _digest(lines: list[str]) -> int:
+    """A 56-bit digest, the same in every process (``hash`` of a str is not)."""
+    text = "\n".join(lines).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "little")
 
 
 def _donated_leaves(args: tuple, argnums: tuple[int, ...]) -> set[int]:
@@ -142,6 +170,7 @@ class DataParallelStep:
         self._tracing = False
         self._cache: dict[tuple, _Entry] = {}
         self._last_key: tuple | None = None
+        self._digests: dict[tuple, int] = {}
         self.retraces = 0
 
     def _axis(self, traced: bool = False) -> ProcessAxis:
@@ -185,12 +214,50 @@ class DataParallelStep:
         leaves, spec = optree.tree_flatten(args)
         key = _signature(spec, leaves)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        entry = self._cache.get(key)
-        if entry is None:
-            entry = self._compile(key, args, tensors)
-        if entry.captured.outputs is None:
-            return entry.run_first(args, tensors, self._axis(traced=True))
-        return entry.run(tensors)
+        start = time.monotonic()
+        try:
+            if _runtime.world_size(self._group) > 1:
+                self._agree_on_signature(key, args)
+            entry = self._cache.get(key)
+            if entry is None:
+                entry = self._compile(key, args, tensors)
+            if entry.captured.outputs is None:
+                return entry.run_first(args, tensors, self._axis(traced=True))
+            return entry.run(tensors)
+        except RuntimeError as e:
+            if isinstance(e, _runtime.RankFailureError) or not _runtime.is_peer_failure(e):
+                raise
+            raise _runtime.peer_failure(e, self.__name__, time.monotonic() - start) from e
+
+    def _agree_on_signature(self, key: tuple, args: tuple) -> None:
+        """Every call: one tiny all-reduce (on the CPU) checks that all ranks pass the same
+        signature. Without it a rank whose batch alone changed shape would trace the step again
+        while the others run the cached one, and all would wait for the timeout."""
+        digest = self._digests.get(key)
+        if digest is None:
+            digest = self._digests.setdefault(key, _digest(_portable(key)))
+        bounds = torch.tensor([digest, -digest], dtype=torch.int64)
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self._group)
+        if int(bounds[0]) == digest == -int(bounds[1]):
+            return
+        everyone: list[Any] = [None] * _runtime.world_size(self._group)
+        dist.all_gather_object(everyone, _portable(key), group=self._group)
+        r, theirs = next((r, e) for r, e in enumerate(everyone) if e != everyone[0])
+        ours = everyone[0]
+        if theirs[0] != ours[0]:
+            what = f"tree structure {theirs[0]} on rank {r}, {ours[0]} on rank 0"
+        else:
+            paths = [path_str(p) for p in optree.tree_paths(args)]
+            i = next(i for i, (a, b) in enumerate(zip(theirs[1:], ours[1:])) if a != b)
+            what = (
+                f"argument leaf {paths[i]} is {theirs[i + 1]} on rank {r}, {ours[i + 1]} on rank 0"
+            )
+        raise _fingerprint.ScheduleMismatchError(
+            f"{self.__name__}: rank {r} was called with other argument shapes than rank 0 "
+            f"({what}). Every rank must pass arguments of the same shapes and dtypes in every "
+            "step, the last batch of an epoch included: drop it, or pad it to the full size "
+            "and mask the padding in the loss."
+        )
 
     def schedule(self, *args: Any) -> Schedule:
         """The compiled plan for these arguments (captures if needed; runs nothing).

@@ -1,5 +1,6 @@
 """Optax-style optimizers: pure ``init``/``update`` transformations, chains and schedules."""
 
+from fddp._finite import ApplyIfFiniteState, all_finite, apply_if_finite
 from fddp._optim import (
     EmptyState,
     GradientTransformation,
@@ -29,6 +30,7 @@ from fddp._optim import (
 )
 
 __all__ = [
+    "ApplyIfFiniteState",
     "EmptyState",
     "GradientTransformation",
     "InitFn",
@@ -39,6 +41,8 @@ __all__ = [
     "adam",
     "adamw",
     "add_decayed_weights",
+    "all_finite",
+    "apply_if_finite",
     "apply_updates",
     "chain",
     "clip_by_global_norm",

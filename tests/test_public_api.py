@@ -4,6 +4,10 @@ import fddp
 import fddp.optim
 
 PUBLIC = {
+    "CaptureError",
+    "RankFailureError",
+    "ReplicaMismatchError",
+    "ScheduleMismatchError",
     "all_gather",
     "axis_index",
     "axis_size",
@@ -28,6 +32,7 @@ PUBLIC = {
 }
 
 OPTIM = {
+    "ApplyIfFiniteState",
     "EmptyState",
     "GradientTransformation",
     "InitFn",
@@ -38,6 +43,8 @@ OPTIM = {
     "adam",
     "adamw",
     "add_decayed_weights",
+    "all_finite",
+    "apply_if_finite",
     "apply_updates",
     "chain",
     "clip_by_global_norm",

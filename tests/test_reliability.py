@@ -342,7 +342,7 @@ def _nan_policy() -> list[dict]:
     return history
 
 
-# Run in this order on both ranks; _tree_checked last: today it aborts a rank (see its test).
+# Run in this order on both ranks.
 CHECKS: list[tuple[str, Callable]] = [
     ("rank_branch", _rank_branch),
     ("batch_width", _batch_width),
@@ -424,12 +424,6 @@ def test_parameter_tree_mismatch_raises_on_every_rank_without_replica_check(chec
         assert "rank 1" in message
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the replica check all-gathers one checksum row per leaf, so ranks with different "
-    "leaf counts send different sizes: gloo aborts rank 0 (SIGABRT, 'Received data size "
-    "doesn't match expected size') and rank 1 waits for the timeout",
-)
 def test_parameter_tree_mismatch_raises_on_every_rank_with_replica_check(checks):
     for message in _errors(checks("tree_checked"), "ReplicaMismatchError"):
         assert "['v']" in message
@@ -526,11 +520,6 @@ def test_stuck_rank_makes_the_other_raise_after_the_timeout(jobs):
     assert error.startswith("(a RuntimeError)") and "Timed out" in error, error
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="only rank 1 retraces (new batch shape): it all-gathers the fingerprint while rank "
-    "0 runs the cached step's all-reduce; both wait for the process-group timeout",
-)
 def test_batch_shape_change_on_one_rank_raises_at_once(jobs):
     job = jobs.retrace.wait()
     for rank in (0, 1):

@@ -444,3 +444,11 @@ def test_accumulated_reduction_overlaps_the_last_microbatch_backward():
         key=view.pos.__getitem__,
     )
     assert view.pos[launch] < view.pos[last_matmul]
+
+
+def test_collective_of_a_collective_result_is_bucketed_separately():
+    step = fddp.data_parallel(lambda p, x: fddp.psum(fddp.pmean(x)) + p["w"])
+    x = torch.arange(8.0).reshape(2, 4)
+    out = step({"w": torch.ones(1)}, x)
+    torch.testing.assert_close(out, x + 1)
+    assert len(step.schedule({"w": torch.ones(1)}, x).buckets) == 2

@@ -124,6 +124,8 @@ def rewrite(
     """
     out = []
     for index, bucket in enumerate(buckets):
+        for m in bucket:  # an earlier bucket may have replaced the node this one reduces
+            m.source = m.collective.args[0]
         chain = _Chain(graph, _ready_node(graph, bucket), {"fddp_bucket": index})
         dtype = value(bucket[0].source).dtype
         divisors = {_divisor(m) for m in bucket}
