@@ -96,7 +96,9 @@ class ProcessAxis:
         for x in leaves:
             part = x if tiled else x.unsqueeze(0)
             if x.requires_grad:
-                out.append(_AllGather.apply(part, self.group_name, self.group_size))
+                out.append(
+                    _AllGather.apply(part, self.group_name, self.group_size, self.group_rank)
+                )
             else:
                 out.append(_gather(part, self.group_name, self.group_size))
         return out
@@ -118,19 +120,19 @@ class _AllGather(torch.autograd.Function):
     """Concatenate along dim 0 over ranks; the vjp sums cotangents, keeps this rank's rows."""
 
     @staticmethod
-    def forward(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
+    def forward(x: torch.Tensor, group_name: str, size: int, rank: int) -> torch.Tensor:
         return _gather(x, group_name, size)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.group_name, ctx.size = inputs[1], inputs[2]
+        ctx.group_name, ctx.size, ctx.rank = inputs[1], inputs[2], inputs[3]
         ctx.rows = inputs[0].shape[0]
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        # the rank comes in as an argument: Dynamo cannot trace a group lookup in backward
         total = _AllReduceSum.apply(grad.contiguous(), ctx.group_name)
-        rank = dist.get_rank(dist.distributed_c10d._resolve_process_group(ctx.group_name))
-        return total.narrow(0, rank * ctx.rows, ctx.rows), None, None
+        return total.narrow(0, ctx.rank * ctx.rows, ctx.rows), None, None, None
 
 
 def process_axis(

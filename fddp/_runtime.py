@@ -137,6 +137,8 @@ def local_device() -> torch.device:
 def replicate(tree: Any, src: int = 0, *, group: dist.ProcessGroup | None = None) -> Any:
     """Return ``tree`` with every leaf equal to rank ``src``'s value, on every rank.
 
+    ``src`` is a rank within ``group`` (default: the world), as in :func:`fddp.broadcast`.
+
     Tensor leaves travel in one coalesced broadcast per device (packed as bytes, so mixed dtypes
     share it); other leaves (ints, strings) are taken from ``src`` too. The tree structure and
     the tensor shapes and dtypes must be the same on every rank; if not, every rank raises a
@@ -148,6 +150,8 @@ def replicate(tree: Any, src: int = 0, *, group: dist.ProcessGroup | None = None
     tensor([1., 1.])
     """
     n = world_size(group)
+    if not 0 <= src < n:
+        raise ValueError(f"replicate: src={src} is not a rank of the group, which has {n} ranks.")
     if n == 1:
         return tree
     paths, leaves, spec = leaves_with_paths(tree)
@@ -159,7 +163,7 @@ def replicate(tree: Any, src: int = 0, *, group: dist.ProcessGroup | None = None
     mine = (str(spec), tensor_meta, values)
     gathered: list[Any] = [None] * n
     dist.all_gather_object(gathered, mine, group=group)
-    src_spec, src_meta, src_values = gathered[_group_rank(group, src)]
+    src_spec, src_meta, src_values = gathered[src]
     differing = [r for r, (s, m, _) in enumerate(gathered) if (s, m) != (src_spec, src_meta)]
     if differing:
         their_spec, theirs, _ = gathered[differing[0]]
@@ -180,14 +184,10 @@ def replicate(tree: Any, src: int = 0, *, group: dist.ProcessGroup | None = None
             by_device.setdefault(leaf.device, []).append(i)
     for device, idx in by_device.items():
         flat = pack_bytes([leaves[i] for i in idx]).to(device)
-        dist.broadcast(flat, src=src, group=group)
+        dist.broadcast(flat, group=group, group_src=src)
         for i, t in zip(idx, unpack_bytes(flat, [leaves[i] for i in idx])):
             out[i] = t
     return optree.tree_unflatten(spec, out)
-
-
-def _group_rank(group: dist.ProcessGroup | None, global_rank: int) -> int:
-    return global_rank if group is None else dist.get_group_rank(group, global_rank)
 
 
 def shard(

@@ -670,18 +670,7 @@ def test_1_replicate_gives_rank0_values_like_ddp_and_trains_like_ddp(runs):
 
 @pytest.mark.parametrize(
     "how",
-    [
-        pytest.param(
-            "broadcast",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="fddp bug: native_batch_norm updates the running statistics in place "
-                "but its schema does not say so, so the overlap pass hoists a collective on "
-                "them above the BatchNorm (fix in report)",
-            ),
-        ),
-        "mean",
-    ],
+    ["broadcast", "mean"],
 )
 def test_2_buffers_broadcast_or_mean_match_ddp(runs, how):
     results = [r[how] for r in _result(runs, "buffers")]
@@ -726,11 +715,6 @@ def test_4_unused_parameters_train_like_ddp_find_unused(runs, where):
         assert results[0]["signatures"] == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fddp bug: the schedule fingerprint compares bucket sizes, not which leaves fill "
-    "them, so a rank-dependent Python branch reorders gradients silently (fix in report)",
-)
 def test_4_python_branch_on_the_rank_raises_instead_of_diverging(runs):
     results = _result(runs, "python_branch_on_rank")
     for r in results:
@@ -797,10 +781,10 @@ def _groups_worker() -> dict:
     rank = dist.get_rank()
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both
     index = rank // 2
-    group, first = groups[index], 2 * index
+    group = groups[index]
     model, loss_fn = _mse_setup(seed=rank)  # different everywhere until replicated per group
     opt = optim.sgd(lr=0.1, momentum=0.9)
-    params = fddp.replicate(fddp.state(model)[0], src=first, group=group)
+    params = fddp.replicate(fddp.state(model)[0], src=0, group=group)
     state = opt.init(params)
     pstep = fddp.data_parallel(_sgd_step(loss_fn, opt), group=group)
     ddp = DistributedDataParallel(_models.mlp(SIZES, seed=rank), process_group=group)

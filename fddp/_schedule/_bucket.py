@@ -133,6 +133,7 @@ def rewrite(
         wire = comm_dtype if comm_dtype is not None else dtype
         pack = _pack_functional if functional else _pack_in_place
         launch = pack(chain, bucket, divisor, wire)
+        launch.meta["fddp_leaves"] = tuple(m.path for m in bucket)
         wait = chain.add(WAIT, launch)
         result = wait if wire == dtype else chain.add(aten._to_copy.default, wait, dtype=dtype)
         _unpack(chain, graph, bucket, result, divisor is not None)

@@ -15,14 +15,17 @@ class ScheduleMismatchError(RuntimeError):
 
 
 def collective_sequence(graph: fx.Graph) -> list[str]:
-    """One line per collective, in launch order: op, shape, dtype and its non-tensor arguments."""
+    """One line per collective, in launch order: op, shape, dtype, non-tensor arguments and the
+    leaves it carries (a bucket's leaves in packing order), so that two ranks whose buckets have
+    the same size but hold different gradients do not pass for the same schedule."""
     lines = []
     for node in graph.nodes:
         if is_collective(node):
             val = node.args[0].meta["val"]
             extra = [a for a in node.args[1:] if not isinstance(a, fx.Node)]
             shape = "x".join(map(str, val.shape))
-            lines.append(f"{node.target._opname}({shape}, {val.dtype}, {extra})")
+            leaves = node.meta.get("fddp_leaves") or node.meta.get("custom", {}).get("fddp_leaf")
+            lines.append(f"{node.target._opname}({shape}, {val.dtype}, {extra}, {leaves})")
     return lines
 
 

@@ -66,6 +66,15 @@ def is_view(node: fx.Node) -> bool:
     )
 
 
+# Batch norms that update running_mean/running_var (arguments 3 and 4) in place when training
+# (argument 5) although their schemas do not mark them written.
+_UNDECLARED_WRITES = {
+    torch.ops.aten.native_batch_norm.default: (3, 4),
+    torch.ops.aten.cudnn_batch_norm.default: (3, 4),
+    torch.ops.aten.miopen_batch_norm.default: (3, 4),
+}
+
+
 def mutated_inputs(node: fx.Node) -> list[fx.Node]:
     """The argument nodes that ``node`` writes in place (including ``out=`` arguments)."""
     op = _overload(node)
@@ -77,6 +86,8 @@ def mutated_inputs(node: fx.Node) -> list[fx.Node]:
             continue
         given = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
         out.extend(_flat_nodes(given))
+    if op in _UNDECLARED_WRITES and node.args[5]:
+        out.extend(_flat_nodes([node.args[i] for i in _UNDECLARED_WRITES[op]]))
     return out
 
 
