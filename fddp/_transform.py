@@ -184,12 +184,6 @@ class DataParallelStep:
             group = self._group if self._group is not None else dist.group.WORLD
             check_identical(chosen, group, f"arguments {list(argnums)} of {self.__name__}")
 
-    def __call__(self, *args: Any) -> Any:
-        if self._tracing:
-            with _timeline.step_range():
-                return self._call(*args)
-        return self._call(*args)
-
     @contextlib.contextmanager
     def trace(self, path: str | os.PathLike) -> Iterator[None]:
         """Record the steps run inside the block as a Chrome trace at ``path`` (written by rank 0).
@@ -205,7 +199,7 @@ class DataParallelStep:
         finally:
             self._tracing = False
 
-    def _call(self, *args: Any) -> Any:
+    def __call__(self, *args: Any) -> Any:
         if self._unchecked_argnums:
             self._check_replicas(args)
         if not self._trace:
@@ -223,7 +217,8 @@ class DataParallelStep:
                 entry = self._compile(key, args, tensors)
             if entry.captured.outputs is None:
                 return entry.run_first(args, tensors, self._axis(traced=True))
-            return entry.run(tensors)
+            with _timeline.step_range() if self._tracing else contextlib.nullcontext():
+                return entry.run(tensors)
         except RuntimeError as e:
             if isinstance(e, _runtime.RankFailureError) or not _runtime.is_peer_failure(e):
                 raise
