@@ -76,3 +76,10 @@ def test_torch_compile_one_rank() -> None:
     output = run_example("torch_compile.py", "--steps", "3", "--hidden", "16")
     assert number(r"fx vs inductor, over 3 steps: ([\d.e+-]+)", output) < 1e-4
     assert number(r"largest parameter difference ([\d.e+-]+)", output) < 1e-5
+
+
+def test_per_example_clipping_two_ranks() -> None:
+    output = run_example("per_example_clipping.py", "--steps", "3", "--batch", "8", ranks=2)
+    first = number(r"step    0  loss ([\d.]+)", output)
+    number(r"final loss ([\d.]+)", output)
+    assert first > 0
