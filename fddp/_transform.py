@@ -330,7 +330,7 @@ def data_parallel(
     step_fn: Callable[..., Any] | None = None,
     *,
     axis_name: str = _axes.DEFAULT_AXIS,
-    bucket_cap_mb: float = 25.0,
+    bucket_cap_mb: float | None = None,
     first_bucket_cap_mb: float = 1.0,
     compile: bool | str = False,
     donate_argnums: int | Sequence[int] = (),
@@ -350,7 +350,11 @@ def data_parallel(
     Args:
         step_fn: ``step(*args) -> outputs``, pure: same inputs, same outputs.
         axis_name: the name collectives inside the step use for this replica axis.
-        bucket_cap_mb: bucket size cap in MiB (DDP's ``bucket_cap_mb``).
+        bucket_cap_mb: bucket size cap in MiB (DDP's ``bucket_cap_mb``). The default, None,
+            caps each bucket at about an eighth of all gradient bytes (at least
+            ``first_bucket_cap_mb``, at most DDP's 25 MiB): with each bucket's update running
+            while later buckets are in flight, several mid-sized buckets overlap better
+            than DDP's few large ones.
         first_bucket_cap_mb: cap of the first bucket, small so communication starts early.
         compile: False runs the scheduled FX graph; True or ``"inductor"`` compiles it.
         donate_argnums: arguments whose storage the step may reuse for its outputs.
@@ -385,10 +389,10 @@ def data_parallel(
             trace=trace,
             check_replicas=check_replicas,
         )
-    if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
+    if (bucket_cap_mb is not None and bucket_cap_mb <= 0) or first_bucket_cap_mb <= 0:
         raise ValueError("bucket_cap_mb and first_bucket_cap_mb must be positive (MiB).")
     options = Options(
-        bucket_cap_bytes=int(bucket_cap_mb * 2**20),
+        bucket_cap_bytes=None if bucket_cap_mb is None else int(bucket_cap_mb * 2**20),
         first_bucket_cap_bytes=int(first_bucket_cap_mb * 2**20),
         comm_dtype=comm_dtype,
         compile=compile,

@@ -76,6 +76,21 @@ def find_members(graph: fx.Graph) -> list[Member]:
     return members
 
 
+DDP_CAP_BYTES = 25 * 2**20
+AUTO_BUCKETS = 8
+
+
+def auto_cap(members: list[Member], first_cap: int) -> int:
+    """The default cap: about an eighth of all the bytes to reduce, within [first_cap, 25 MiB].
+
+    Measured with 2 gloo ranks behind a 5 Gbit/s link (benchmarks/): 8-layer MLP, 33 MB of
+    gradients, 5 MiB buckets 144 ms a step against 199 ms with 25 MiB ones; on plain loopback
+    the two were within noise.
+    """
+    total = sum(nbytes(m.source) for m in members)
+    return min(DDP_CAP_BYTES, max(first_cap, total // AUTO_BUCKETS))
+
+
 def assign(members: list[Member], cap: int, first_cap: int) -> list[list[Member]]:
     """Group members (sorted by ready position) into buckets; pure, no graph changes."""
     open_buckets: dict[tuple, tuple[list[Member], int, int]] = {}

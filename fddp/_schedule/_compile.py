@@ -14,7 +14,7 @@ from fddp._schedule._fingerprint import collective_sequence
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    bucket_cap_bytes: int
+    bucket_cap_bytes: int | None  # None: automatic, see _bucket.auto_cap
     first_bucket_cap_bytes: int
     comm_dtype: torch.dtype | None
     compile: bool | str
@@ -43,7 +43,10 @@ def schedule_graph(captured: Captured, options: Options, donated: set[int]) -> P
     if options.overlap:
         _overlap.hoist_gradient_sums(graph)
     members = _bucket.find_members(graph)
-    buckets = _bucket.assign(members, options.bucket_cap_bytes, options.first_bucket_cap_bytes)
+    cap = options.bucket_cap_bytes
+    if cap is None:
+        cap = _bucket.auto_cap(members, options.first_bucket_cap_bytes)
+    buckets = _bucket.assign(members, cap, options.first_bucket_cap_bytes)
     in_place = options.compile in (False, None, "fx")
     bucket_nodes = _bucket.rewrite(graph, buckets, options.comm_dtype, functional=not in_place)
     if options.overlap:
