@@ -47,18 +47,31 @@ def _all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 
 def _eager_buckets(leaves: list[torch.Tensor]) -> list[list[int]]:
-    """Consecutive leaves of one dtype and device, up to ``EAGER_BUCKET_BYTES`` per bucket."""
-    buckets: list[list[int]] = []
-    key, size = None, 0
+    """Leaves of one dtype and device, in order, up to ``EAGER_BUCKET_BYTES`` per bucket."""
+    open_buckets: dict[tuple, tuple[list[int], int]] = {}
+    done: list[list[int]] = []
     for i, x in enumerate(leaves):
-        nbytes = x.numel() * x.element_size()
-        if buckets and (x.dtype, x.device) == key and size + nbytes <= EAGER_BUCKET_BYTES:
-            buckets[-1].append(i)
-            size += nbytes
-        else:
-            buckets.append([i])
-            key, size = (x.dtype, x.device), nbytes
-    return buckets
+        key, nbytes = (x.dtype, x.device), x.numel() * x.element_size()
+        if key in open_buckets:
+            bucket, size = open_buckets[key]
+            if size + nbytes <= EAGER_BUCKET_BYTES:
+                open_buckets[key] = ([*bucket, i], size + nbytes)
+                continue
+            done.append(bucket)
+        open_buckets[key] = ([i], nbytes)
+    done.extend(bucket for bucket, _ in open_buckets.values())
+    return sorted(done, key=lambda bucket: bucket[0])
+
+
+def _packed(leaves: list[torch.Tensor], fn: Any) -> list[torch.Tensor]:
+    """Apply ``fn`` to one flat buffer per bucket of ``leaves``; hand back views of the results."""
+    out: list[torch.Tensor] = [None] * len(leaves)  # type: ignore[list-item]
+    for bucket in _eager_buckets(leaves):
+        flat = torch.cat([leaves[i].reshape(-1) for i in bucket])
+        sizes = [leaves[i].numel() for i in bucket]
+        for i, part in zip(bucket, fn(flat).split(sizes)):
+            out[i] = part.view(leaves[i].shape)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,14 +95,7 @@ class ProcessAxis:
             return [_all_reduce_sum(x, self.group_name) for x in leaves]
         if self.group_size == 1:
             return [x.clone() for x in leaves]
-        out: list[torch.Tensor] = [None] * len(leaves)  # type: ignore[list-item]
-        for bucket in _eager_buckets(leaves):
-            flat = torch.cat([leaves[i].reshape(-1) for i in bucket])
-            reduced = _all_reduce_sum(flat, self.group_name)
-            sizes = [leaves[i].numel() for i in bucket]
-            for i, part in zip(bucket, reduced.split(sizes)):
-                out[i] = part.view(leaves[i].shape)
-        return out
+        return _packed(leaves, lambda flat: _all_reduce_sum(flat, self.group_name))
 
     def all_gather(self, leaves: list[torch.Tensor], tiled: bool) -> list[torch.Tensor]:
         out = []
@@ -104,10 +110,11 @@ class ProcessAxis:
         return out
 
     def broadcast(self, leaves: list[torch.Tensor], src: int) -> list[torch.Tensor]:
-        return [
-            funcol.wait_tensor(funcol.broadcast(x.contiguous(), src, self.group_name))
-            for x in leaves
-        ]
+        """One broadcast per dtype for the whole call (traced too: the results are usually
+        needed at once, as BatchNorm buffers at the start of a step are)."""
+        return _packed(
+            leaves, lambda flat: funcol.wait_tensor(funcol.broadcast(flat, src, self.group_name))
+        )
 
 
 def _gather(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
@@ -154,14 +161,17 @@ def default_process_axis() -> ProcessAxis:
     return process_axis(DEFAULT_AXIS, None)
 
 
-def _map_tensors(tree: Any, what: str, axis: _axes.Axis, fn: Any) -> Any:
+def _map_tensors(
+    tree: Any, what: str, axis: _axes.Axis, fn: Any, *, bucketed_by_scheduler: bool = False
+) -> Any:
     """Apply ``fn(list_of_leaves)`` to the tensor leaves of ``tree``.
 
-    On a traced axis each leaf goes through ``fn`` alone inside an annotation naming its path, so
-    the scheduler can bucket the per-leaf collectives and report which leaves each bucket holds.
+    For a collective the scheduler buckets (``bucketed_by_scheduler``) on a traced axis, each
+    leaf goes through ``fn`` alone inside an annotation naming its path, so the scheduler can
+    group the per-leaf collectives and report which leaves each bucket holds.
     """
     leaves, spec = tensor_leaves(tree, what)
-    if not axis.traced:
+    if not (axis.traced and bucketed_by_scheduler):
         return optree.tree_unflatten(spec, fn(leaves))
     out = []
     for path, leaf in zip(leaves_with_paths(tree)[0], leaves):
@@ -182,7 +192,7 @@ def psum(tree: Any, axis_name: str = DEFAULT_AXIS) -> Any:
     tensor([1., 1., 1.])
     """
     axis = _axes.lookup(axis_name)
-    return _map_tensors(tree, "psum's tree", axis, axis.psum)
+    return _map_tensors(tree, "psum's tree", axis, axis.psum, bucketed_by_scheduler=True)
 
 
 def pmean(tree: Any, axis_name: str = DEFAULT_AXIS) -> Any:
@@ -197,7 +207,13 @@ def pmean(tree: Any, axis_name: str = DEFAULT_AXIS) -> Any:
     """
     axis = _axes.lookup(axis_name)
     n = axis.size()
-    return _map_tensors(tree, "pmean's tree", axis, lambda xs: [y / n for y in axis.psum(xs)])
+    return _map_tensors(
+        tree,
+        "pmean's tree",
+        axis,
+        lambda xs: [y / n for y in axis.psum(xs)],
+        bucketed_by_scheduler=True,
+    )
 
 
 def all_gather(tree: Any, axis_name: str = DEFAULT_AXIS, *, tiled: bool = False) -> Any:
