@@ -350,11 +350,11 @@ def data_parallel(
     Args:
         step_fn: ``step(*args) -> outputs``, pure: same inputs, same outputs.
         axis_name: the name collectives inside the step use for this replica axis.
-        bucket_cap_mb: bucket size cap in MiB (DDP's ``bucket_cap_mb``). The default, None,
-            caps each bucket at about an eighth of all gradient bytes (at least
-            ``first_bucket_cap_mb``, at most DDP's 25 MiB): with each bucket's update running
-            while later buckets are in flight, several mid-sized buckets overlap better
-            than DDP's few large ones.
+        bucket_cap_mb: bucket size cap in MiB (DDP's ``bucket_cap_mb``): a bucket takes
+            gradients until it holds this many bytes. The default, None, uses a sixteenth of
+            all gradient bytes (at least ``first_bucket_cap_mb``, at most DDP's 25 MiB), about
+            8 to 16 buckets: with each bucket's update running while later buckets are in
+            flight, several mid-sized buckets overlap better than DDP's few large ones.
         first_bucket_cap_mb: cap of the first bucket, small so communication starts early.
         compile: False runs the scheduled FX graph; True or ``"inductor"`` compiles it.
         donate_argnums: arguments whose storage the step may reuse for its outputs.

@@ -172,13 +172,13 @@ def _mlp_step(sizes=SIZES, *, bias=False, microbatches=1):
 
 
 def _expected_buckets(leaves: list[tuple[str, int]], cap: int, first_cap: int) -> list[list[str]]:
-    """DDP's greedy bucketing: leaves in production order, at most ``cap`` bytes per bucket
-    (``first_cap`` for the first), a leaf larger than the cap alone."""
+    """DDP's greedy bucketing: leaves in production order; a bucket closes once it holds
+    ``cap`` bytes (``first_cap`` for the first), the leaf that crossed the cap included."""
     buckets: list[list[str]] = []
     used = 0
     for name, size in leaves:
         limit = first_cap if len(buckets) == 1 else cap
-        if buckets and used + size <= limit:
+        if buckets and used < limit:
             buckets[-1].append(name)
             used += size
         else:
@@ -219,8 +219,9 @@ def _plain(cap: int, first_cap: int):
     ("cap", "first_cap"),
     [
         (25 * MIB, 1 * MIB),  # the defaults: this model fits in the first bucket
-        (8192, 2048),  # [6], [4, 2] (exactly the cap), [0]
+        (8192, 2048),  # [6, 4] (4 crosses the first cap), [2, 0]
         (6400, 6400),  # [6, 4] (exactly the cap), [2, 0]
+        (4096, 1024),  # [6] (alone over the first cap), [4], [2, 0]
         (1024, 1024),  # every leaf larger than the cap: one bucket each
     ],
 )
@@ -237,6 +238,20 @@ def test_bucket_count_and_contents_follow_the_caps(cap, first_cap):
     new, _ = pstep(params, batch)
     old, _ = step(params, batch)  # a world of one: pmean is the identity
     torch.testing.assert_close(new, old, rtol=1e-6, atol=1e-6)
+
+
+def test_default_cap_is_a_sixteenth_of_the_gradient_bytes():
+    sizes = (16,) * 25  # 24 weights of 1024 bytes
+    params, batch, step = _mlp_step(sizes)
+    first_cap = 1000
+    schedule = fddp.data_parallel(step, first_bucket_cap_mb=first_cap / MIB).schedule(
+        params, batch
+    )
+    leaves = _weights_in_production_order(sizes)
+    cap = sum(size for _, size in leaves) // 16  # 1536: two leaves a bucket
+    expected = _expected_buckets(leaves, cap, first_cap)
+    assert [_names(b) for b in schedule.buckets] == expected
+    assert len(expected) == 1 + 23 // 2 + 1
 
 
 def test_buckets_group_each_dtype_separately():
