@@ -33,7 +33,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=64, help="images per rank per step")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--lr", type=float, default=0.1, help="peak learning rate (SGD, cosine)")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="all-reduce bucket cap, MiB")
+    p.add_argument(
+        "--bucket-mb", type=float, help="all-reduce bucket cap, MiB (default: fddp's own)"
+    )
     p.add_argument("--compile", action="store_true", help="compile the step with Inductor")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)

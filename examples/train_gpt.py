@@ -39,7 +39,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--lr", type=float, default=6e-3, help="peak learning rate (warmup, cosine)")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="all-reduce bucket cap, MiB")
+    p.add_argument(
+        "--bucket-mb", type=float, help="all-reduce bucket cap, MiB (default: fddp's own)"
+    )
     p.add_argument("--compile", action="store_true", help="compile the step with Inductor")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--sample-chars", type=int, default=300)
