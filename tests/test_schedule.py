@@ -244,9 +244,7 @@ def test_default_cap_is_a_sixteenth_of_the_gradient_bytes():
     sizes = (16,) * 25  # 24 weights of 1024 bytes
     params, batch, step = _mlp_step(sizes)
     first_cap = 1000
-    schedule = fddp.data_parallel(step, first_bucket_cap_mb=first_cap / MIB).schedule(
-        params, batch
-    )
+    schedule = fddp.data_parallel(step, first_bucket_cap_mb=first_cap / MIB).schedule(params, batch)
     leaves = _weights_in_production_order(sizes)
     cap = sum(size for _, size in leaves) // 16  # 1536: two leaves a bucket
     expected = _expected_buckets(leaves, cap, first_cap)
