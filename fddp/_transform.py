@@ -19,7 +19,7 @@ from fddp import _axes, _runtime, _timeline
 from fddp._collectives import ProcessAxis, process_axis
 from fddp._replicas import check_identical
 from fddp._schedule import _fingerprint
-from fddp._schedule._capture import Captured, DynamoCapture, trace_with_make_fx
+from fddp._schedule._capture import Captured, CaptureError, DynamoCapture, trace_with_make_fx
 from fddp._schedule._compile import Options, Program, schedule_graph
 from fddp._schedule._plan import Schedule
 from fddp._tree import path_str
@@ -307,6 +307,7 @@ class DataParallelStep:
         try:
             captured = trace_with_make_fx(self._step_fn, args)
         except Exception as e:
+            make_fx_error = e
             _runtime.log_rank0(
                 "data_parallel: make_fx could not trace %s (%s: %s); capturing with Dynamo",
                 self.__name__,
@@ -322,8 +323,21 @@ class DataParallelStep:
             return programs[-1].run
 
         dynamo = DynamoCapture(self._step_fn, make_executable)
-        captured = dynamo.trace(args, tensors)
+        try:
+            captured = dynamo.trace(args, tensors)
+        except CaptureError as e:
+            raise CaptureError(f"{e}\n{_first_attempt(make_fx_error)}") from e
         return _Entry(programs[0], captured, dynamo)
+
+
+def _first_attempt(error: Exception) -> str:
+    """What make_fx said: for a step that fails eagerly too, the plain error is the clearest."""
+    first_line = str(error).strip().split("\n")[0]
+    return (
+        f"Before Dynamo, make_fx stopped with {type(error).__name__}: {first_line}\n"
+        "If the step fails the same way when run eagerly (data_parallel(step, trace=False)), "
+        "fix that error first."
+    )
 
 
 def data_parallel(

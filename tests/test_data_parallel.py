@@ -520,3 +520,21 @@ def test_uncapturable_step_names_the_cause_and_trace_false_runs_it():
     torch.testing.assert_close(
         fddp.data_parallel(step, trace=False)(params, batch), step(params, batch)
     )
+
+
+def test_a_step_that_fails_eagerly_too_shows_the_plain_error():
+    """Both capture attempts fail on a step with a bug of its own: the error shows make_fx's
+    plain message (the bug), not only Dynamo's account of it."""
+    model = torch.nn.Linear(3, 2)
+    params, buffers = fddp.state(model)
+    apply = fddp.functional(model)
+
+    def step(params, x):
+        loss = apply(params, buffers, x, return_buffers=True).sum()  # a keyword forward lacks
+        return fddp.pmean(fddp.grad(lambda p: loss)(params))
+
+    with pytest.raises(CaptureError) as info:
+        fddp.data_parallel(step)(params, torch.ones(4, 3))
+    message = str(info.value)
+    assert "make_fx stopped with TypeError" in message, message
+    assert "return_buffers" in message and "trace=False" in message, message
