@@ -113,10 +113,22 @@ def _run_in_order(checks: list[Callable[[], Any]]) -> list[Any]:
     return results
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The variables torchrun sets for one rank of a single-node job on loopback."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
 
 
 def _child(
@@ -138,15 +150,7 @@ def _child(
     faulthandler.enable(file=log, all_threads=True)
     if _DUMP_SIGNAL is not None:
         faulthandler.register(_DUMP_SIGNAL, file=log, all_threads=True)
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-    )
+    os.environ.update(torchrun_env(rank, world_size, port), OMP_NUM_THREADS="1")
     os.environ.update(env)
     try:
         fn, args = pickle.loads(payload)
@@ -176,7 +180,7 @@ class _Run:
 
     def run(self) -> list[Any]:
         ctx = multiprocessing.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         with tempfile.TemporaryDirectory(prefix="fddp-ranks-") as tmp:
             self.logs = [os.path.join(tmp, f"rank{r}.log") for r in range(self.world_size)]
             conns: dict[Connection, int] = {}

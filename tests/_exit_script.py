@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from _dist import free_port, torchrun_env  # this script runs from tests/
 
 import fddp
 
@@ -73,12 +73,6 @@ def main() -> None:
         sys.exit(3)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tail(path: str) -> str:
     with open(path, "rb") as f:
         return f.read()[-_OUTPUT_TAIL_CHARS:].decode(errors="replace")
@@ -93,7 +87,7 @@ def _forked_launches(runs: int, parallel: int, timeout: float) -> None:
     for first in range(0, runs, parallel):
         children: dict[int, tuple[int, int, str]] = {}
         for launch in range(first, min(runs, first + parallel)):
-            port = _free_port()
+            port = free_port()
             for rank in range(WORLD_SIZE):
                 log = os.path.join(tmp, f"launch{launch}-rank{rank}.log")
                 sys.stdout.flush()
@@ -103,14 +97,7 @@ def _forked_launches(runs: int, parallel: int, timeout: float) -> None:
                     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
                     os.dup2(fd, 1)
                     os.dup2(fd, 2)
-                    os.environ.update(
-                        RANK=str(rank),
-                        WORLD_SIZE=str(WORLD_SIZE),
-                        LOCAL_RANK=str(rank),
-                        LOCAL_WORLD_SIZE=str(WORLD_SIZE),
-                        MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(port),
-                    )
+                    os.environ.update(torchrun_env(rank, WORLD_SIZE, port))
                     main()
                     sys.exit(0)  # unwinds to the top: the interpreter's normal exit
                 children[pid] = (launch, rank, log)

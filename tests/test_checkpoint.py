@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import datetime
 import enum
 import os
-import socket
-import time
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _dist import run_ranks
 
 from fddp import _checkpoint
 from fddp._checkpoint import load, save
@@ -234,76 +231,47 @@ def test_plain_torch_save_file_is_refused(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _two_rank_worker(tmpdir: str) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    real_write = _checkpoint._write_atomic
+    writers = []
 
+    def spy(path: str, payload: dict) -> None:
+        writers.append(rank)
+        real_write(path, payload)
 
-def _run_ranks(fn, world: int, *args, timeout: float = 120.0) -> None:
-    """Run ``fn(rank, world, port, *args)`` on ``world`` spawned processes; fail on timeout."""
-    ctx = mp.start_processes(
-        fn, args=(world, _free_port(), *args), nprocs=world, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=max(deadline - time.monotonic(), 0.0)):
-        if time.monotonic() >= deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail(f"ranks did not finish within {timeout} s")
+    _checkpoint._write_atomic = spy
+    path = os.path.join(tmpdir, "ckpt.pt")
+    # Rank-dependent values reveal whose copy the file holds.
+    tree = {"w": torch.full((3,), float(rank)), "step": 5}
+    save(path, tree)
+    restored = load(path, like=tree)  # no extra barrier: save returned, the file is there
+    assert torch.equal(restored["w"], torch.zeros(3)), restored
+    assert restored["step"] == 5
+    all_writers = [None] * world
+    dist.all_gather_object(all_writers, writers)
+    assert all_writers == [[0], []], all_writers
 
+    # A failure on rank 0 is raised on every rank instead of leaving rank 1 waiting.
+    def disk_full(path: str, payload: dict) -> None:
+        raise OSError("No space left on device")
 
-def _two_rank_worker(rank: int, world: int, port: int, tmpdir: str) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        real_write = _checkpoint._write_atomic
-        writers = []
+    _checkpoint._write_atomic = disk_full if rank == 0 else spy
+    expected = (OSError, "No space") if rank == 0 else (RuntimeError, "rank 0 failed")
+    with pytest.raises(expected[0], match=expected[1]):
+        save(path, {"w": torch.ones(3), "step": 6})
+    assert load(path, like=tree)["step"] == 5
 
-        def spy(path: str, payload: dict) -> None:
-            writers.append(rank)
-            real_write(path, payload)
-
-        _checkpoint._write_atomic = spy
-        path = os.path.join(tmpdir, "ckpt.pt")
-        # Rank-dependent values reveal whose copy the file holds.
-        tree = {"w": torch.full((3,), float(rank)), "step": 5}
-        save(path, tree)
-        restored = load(path, like=tree)  # no extra barrier: save returned, the file is there
-        assert torch.equal(restored["w"], torch.zeros(3)), restored
-        assert restored["step"] == 5
-        all_writers = [None] * world
-        dist.all_gather_object(all_writers, writers)
-        assert all_writers == [[0], []], all_writers
-
-        # A failure on rank 0 is raised on every rank instead of leaving rank 1 waiting.
-        def disk_full(path: str, payload: dict) -> None:
-            raise OSError("No space left on device")
-
-        _checkpoint._write_atomic = disk_full if rank == 0 else spy
-        expected = (OSError, "No space") if rank == 0 else (RuntimeError, "rank 0 failed")
-        with pytest.raises(expected[0], match=expected[1]):
-            save(path, {"w": torch.ones(3), "step": 6})
-        assert load(path, like=tree)["step"] == 5
-
-        # rank0_only=False: every rank writes its own file.
-        _checkpoint._write_atomic = real_write
-        own = os.path.join(tmpdir, f"rank{rank}.pt")
-        save(own, tree, rank0_only=False)
-        assert torch.equal(load(own, like=tree)["w"], tree["w"])
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    # rank0_only=False: every rank writes its own file.
+    _checkpoint._write_atomic = real_write
+    own = os.path.join(tmpdir, f"rank{rank}.pt")
+    save(own, tree, rank0_only=False)
+    assert torch.equal(load(own, like=tree)["w"], tree["w"])
+    dist.barrier()
 
 
 def test_two_ranks_only_rank0_writes(tmp_path: Path) -> None:
-    _run_ranks(_two_rank_worker, 2, str(tmp_path))
+    run_ranks(_two_rank_worker, 2, str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "rank0.pt", "rank1.pt"]
     like = {"w": torch.zeros(3), "step": 0}
     assert torch.equal(load(tmp_path / "rank1.pt", like=like)["w"], torch.ones(3))

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from _dist import free_port, torchrun_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).with_name("_exit_script.py")
@@ -28,27 +28,13 @@ def _env(**extra: str) -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(end: str) -> list[tuple[int | None, str, str]]:
     """Run the exit script as 2 fresh processes; (status, stdout, stderr) per rank."""
-    port = _free_port()
+    port = free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, str(SCRIPT)],
-            env=_env(
-                RANK=str(rank),
-                WORLD_SIZE="2",
-                LOCAL_RANK=str(rank),
-                LOCAL_WORLD_SIZE="2",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                FDDP_EXIT_SCRIPT_END=end,
-            ),
+            env=_env(**torchrun_env(rank, 2, port), FDDP_EXIT_SCRIPT_END=end),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
