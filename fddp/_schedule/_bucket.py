@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from torch import fx
@@ -143,7 +145,7 @@ def rewrite(
     out = []
     for index, bucket in enumerate(buckets):
         for m in bucket:  # an earlier bucket may have replaced the node this one reduces
-            m.source = m.collective.args[0]
+            m.source = cast(fx.Node, m.collective.args[0])
         chain = _Chain(graph, _ready_node(graph, bucket), {"fddp_bucket": index})
         dtype = value(bucket[0].source).dtype
         divisors = {_divisor(m) for m in bucket}
@@ -224,7 +226,9 @@ class _Chain:
         self.graph, self.anchor, self.last, self.meta = graph, anchor, anchor, meta
         self.nodes: list[fx.Node] = []
 
-    def add(self, target: object, *args: object, **kwargs: object) -> fx.Node:
+    def add(
+        self, target: Callable[..., Any], *args: fx.node.Argument, **kwargs: fx.node.Argument
+    ) -> fx.Node:
         node = self.graph.call_function(target, args, kwargs)
         node.meta.update(self.meta)
         self.last.append(node)
@@ -235,10 +239,11 @@ class _Chain:
     def fill_meta(self) -> None:
         """Record the fake value of each new node, as make_fx would have."""
         fake_mode = detect_fake_mode([self.anchor.meta.get("val")])
+        assert fake_mode is not None  # the captured graph's values are fake tensors
         with fake_mode:
             for node in self.nodes:
                 args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-                node.meta["val"] = node.target(*args, **kwargs)
+                node.meta["val"] = cast(Callable[..., Any], node.target)(*args, **kwargs)
 
 
 def _ready_node(graph: fx.Graph, members: list[Member]) -> fx.Node:

@@ -10,12 +10,18 @@ but it evaluates such code the way ``torch.compile`` would.
 
 from __future__ import annotations
 
+import ast
+import builtins
 import contextlib
 import dataclasses
 import logging
+import os
+import re
 import time
+import traceback
 import types
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import optree
@@ -23,21 +29,21 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch import fx
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from fddp._errors import CaptureError, PrintWhileTracingWarning
+from fddp._schedule import _backward_mode
 from fddp._schedule._graph import remove_double_waits
 
-
-class CaptureError(RuntimeError):
-    """The step could not be captured as one graph."""
+_FDDP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 class _CaptureOnly(Exception):
     """Raised by the compiled stub to stop Dynamo from running the step right after capture."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Captured:
     """An aten graph, where each of its inputs comes from and where the step's outputs go.
 
@@ -45,7 +51,8 @@ class Captured:
     over (a module buffer, a constant), held by reference. ``outputs`` lists, per leaf of the
     step's output, ``("graph", k)`` for graph output ``k``, ``("arg", i)`` for tensor argument
     ``i`` returned as it is, or ``("const", value)``; with ``out_spec`` it rebuilds the output.
-    A Dynamo capture learns them on its first run (until then they are None).
+    A Dynamo capture learns them on its first run (until then they are None; see
+    :meth:`DynamoCapture.run_once`). The graph itself is rewritten in place by the scheduler.
     """
 
     graph: fx.GraphModule
@@ -56,6 +63,54 @@ class Captured:
     method: str = "make_fx"
 
 
+@contextlib.contextmanager
+def quiet_capture_logs() -> Iterator[None]:
+    """Drop the error logs torch writes while a capture attempt fails.
+
+    A shape error in the step makes the fake-tensor dispatcher log the failing operator's
+    whole traceback (once per attempt) before the exception that says the same reaches fddp,
+    which reports it in one :class:`CaptureError`.
+    """
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    quiet = logging.Filter("-")  # a name no record has: drops them all
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+@contextlib.contextmanager
+def warn_on_printed_fakes() -> Iterator[None]:
+    """Warn once when the step prints a tensor while make_fx runs it on fake tensors.
+
+    The captured graph holds tensor operations only, so a print in the step runs this once
+    and never again; the warning says so and what to do instead.
+    """
+    real_print = builtins.print
+    warned = False
+
+    def print_and_warn(*args: Any, **kwargs: Any) -> None:
+        nonlocal warned
+        real_print(*args, **kwargs)
+        if not warned and _shows_fake_tensors(args):
+            warned = True
+            warnings.warn(
+                "print() in a data_parallel step runs once, while the step is captured, and "
+                "shows fake tensors (shapes and dtypes, no values): the compiled step never "
+                "runs Python again. Return the values (a metrics dict) and print them after "
+                "the call, or run data_parallel(step, trace=False) to debug.",
+                PrintWhileTracingWarning,
+                stacklevel=2,
+            )
+
+    builtins.print = print_and_warn
+    try:
+        yield
+    finally:
+        builtins.print = real_print
+
+
 def _tidy(gm: fx.GraphModule) -> fx.GraphModule:
     remove_double_waits(gm.graph)
     gm.graph.eliminate_dead_code()
@@ -63,11 +118,18 @@ def _tidy(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def trace_with_make_fx(fn: Callable[..., Any], args: tuple) -> Captured:
+@quiet_capture_logs()
+@warn_on_printed_fakes()
+def trace_with_make_fx(
+    fn: Callable[..., Any], args: tuple, *, fused_backward: bool = True
+) -> Captured:
     """Capture ``fn(*args)`` by running it once on fake tensors under make_fx.
 
     Tensors ``fn`` closes over become graph constants held by reference; non-tensor leaves of
-    ``args`` and of the output are constants of this capture.
+    ``args`` and of the output are constants of this capture. ``fused_backward`` captures the
+    outermost gradient as ``loss.backward()`` runs it (see ``_backward_mode``); Inductor (torch
+    2.13) cannot compile some of those fused kernels (``mkldnn_rnn_layer``), so it gets the
+    differentiable backward instead.
     """
     start = time.perf_counter()
     leaves, spec = optree.tree_flatten(args)
@@ -83,7 +145,8 @@ def trace_with_make_fx(fn: Callable[..., Any], args: tuple) -> Captured:
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = [fake_mode.from_tensor(x) for x, t in zip(leaves, is_tensor) if t]
-    with fake_mode, fx_traceback.preserve_node_meta():
+    backward = _backward_mode.eager_backward() if fused_backward else contextlib.nullcontext()
+    with fake_mode, fx_traceback.preserve_node_meta(), backward:
         gm = make_fx(flat_step)(*fakes)
     mapping, k = [], 0
     for leaf in outputs["leaves"]:
@@ -97,12 +160,16 @@ def trace_with_make_fx(fn: Callable[..., Any], args: tuple) -> Captured:
     )
 
 
-def lower_to_aten(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> fx.GraphModule:
+def lower_to_aten(
+    gm: fx.GraphModule, example_inputs: list[torch.Tensor], *, fused_backward: bool = True
+) -> fx.GraphModule:
     """Re-trace a Dynamo graph into aten ops on fake tensors, keeping node annotations."""
     fake_mode = detect_fake_mode(example_inputs)
+    assert fake_mode is not None  # Dynamo hands its backend fake example inputs
     fakes = [fake_mode.from_tensor(t) for t in example_inputs]
+    interpreter = _backward_mode.Interpreter if fused_backward else fx.Interpreter
     with fake_mode, fx_traceback.preserve_node_meta():
-        aten = make_fx(lambda *args: fx.Interpreter(gm).run(*args))(*fakes)
+        aten = make_fx(lambda *args: interpreter(gm).run(*args))(*fakes)
     return _tidy(aten)
 
 
@@ -126,45 +193,49 @@ def _fresh_function(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class DynamoCapture:
-    """One Dynamo compilation of ``fn(*args)`` whose backend builds an executable.
+    """One Dynamo compilation of ``fn(*args)``.
 
-    ``make_executable(captured)`` turns the aten graph into ``run(inputs) -> outputs``. The first
-    call of :meth:`trace` stops right after capture; :meth:`run_once` then runs the step once
-    through Dynamo (which knows how to rebuild the step's Python outputs from graph outputs).
+    :meth:`trace` stops right after capture and returns the aten graph; the caller builds a
+    runner for it; :meth:`run_once` then runs the step once through Dynamo with that runner
+    (Dynamo knows how to rebuild the step's Python outputs from graph outputs).
     """
 
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        make_executable: Callable[[Captured], Callable[[list[torch.Tensor]], list[torch.Tensor]]],
-    ) -> None:
-        self._make_executable = make_executable
-        self._stop_after_capture = True
-        self.captured: Captured | None = None
-        self.executable: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
-        self.graph_outputs: list[torch.Tensor] = []
+    def __init__(self, fn: Callable[..., Any], *, fused_backward: bool = True) -> None:
+        self._fused_backward = fused_backward
+        self._runner: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
+        self._graph_outputs: list[torch.Tensor] = []
+        self._captured: Captured | None = None
+        self._tensors: list[torch.Tensor] = []
         self._compiled = torch.compile(
             _fresh_function(fn), backend=self._backend, fullgraph=True, dynamic=False
         )
 
     def _backend(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
-        start = time.perf_counter()
         positions = {id(t): i for i, t in enumerate(self._tensors)}
         inputs: list[int | torch.Tensor] = [positions.get(id(t), t) for t in example_inputs]
-        aten = lower_to_aten(gm, example_inputs)
-        self.captured = Captured(aten, inputs, time.perf_counter() - start, method="dynamo")
-        self.executable = self._make_executable(self.captured)
+        aten = lower_to_aten(gm, example_inputs, fused_backward=self._fused_backward)
+        self._captured = Captured(aten, inputs, 0.0, method="dynamo")
 
         def call(*graph_inputs: torch.Tensor) -> list[torch.Tensor]:
-            if self._stop_after_capture:
+            if self._runner is None:
                 raise _CaptureOnly
-            self.graph_outputs = self.executable(list(graph_inputs))
-            return self.graph_outputs
+            self._graph_outputs = self._runner(list(graph_inputs))
+            return self._graph_outputs
 
         return call
 
-    def trace(self, args: tuple, tensors: list[torch.Tensor]) -> Captured:
-        """Capture the graph for ``fn(*args)`` without running it; ``tensors`` are args' leaves."""
+    def trace(
+        self,
+        args: tuple,
+        tensors: list[torch.Tensor],
+        make_fx_error: BaseException | None = None,
+    ) -> Captured:
+        """Capture the graph for ``fn(*args)`` without running it; ``tensors`` are args' leaves.
+
+        Raises:
+            CaptureError: from :func:`capture_error`, with what ``make_fx`` said before (if it
+                was tried) and what Dynamo says now.
+        """
         self._tensors = tensors
         start = time.perf_counter()
         try:
@@ -174,44 +245,234 @@ class DynamoCapture:
             pass
         except torch._dynamo.exc.BackendCompilerFailed as e:
             raise e.inner_exception from None
-        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
-            raise CaptureError(_explain(e)) from e
+        except Exception as e:
+            raise capture_error(make_fx_error, e) from None
         finally:
             self._tensors = []
-        assert self.captured is not None
-        self.captured.seconds = time.perf_counter() - start
-        return self.captured
+        assert self._captured is not None
+        return dataclasses.replace(self._captured, seconds=time.perf_counter() - start)
 
-    def run_once(self, args: tuple) -> Any:
-        """Run the captured step once through Dynamo and return its Python output."""
-        self._stop_after_capture = False
+    def run_once(
+        self, args: tuple, runner: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+    ) -> tuple[Any, list[torch.Tensor]]:
+        """Run the step once through Dynamo, its graph by ``runner``.
+
+        Returns:
+            The step's Python output and the graph outputs it was built from.
+        """
+        self._runner = runner
         try:
             with _dynamo_settings():
-                return self._compiled(*args)
+                return self._compiled(*args), self._graph_outputs
         finally:
-            self._compiled = None
+            del self._compiled  # one run: Dynamo's compiled code and cache entry go with it
 
 
-def _dynamo_settings() -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def _dynamo_settings() -> Iterator[None]:
     """Dynamo options for capture: logging calls inside the step (model libraries warn from
-    their forward) are dropped from the graph instead of breaking it."""
+    their forward) are dropped from the graph instead of breaking it, and dicts of constants
+    flatten with optree (see :func:`dict_pytrees_traceable`)."""
     methods = {
         method
         for name, method in vars(logging.Logger).items()
         if name in _LOGGING_METHODS or name.endswith("_once")
     }
-    return torch._dynamo.config.patch(ignore_logging_functions=methods)
+    with (
+        torch._dynamo.config.patch(ignore_logging_functions=methods),
+        dict_pytrees_traceable(),
+        quiet_capture_logs(),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def dict_pytrees_traceable() -> Iterator[None]:
+    """Let Dynamo flatten and unflatten dicts whose leaves are all constants with optree.
+
+    Dynamo replaces optree's dict flatten and unflatten functions by Python versions whose
+    metadata is a tuple of key lists, but calls the originals when every argument is a
+    constant, as for an empty dict (a model without buffers, an empty aux). optree >= 0.20
+    returns a ``DictMetaData`` there, which Dynamo cannot hold ("Unexpected type in sourceless
+    builder"), and its unflatten cannot read the Python version's tuple. Inside the block both
+    always run as the Python versions, so every dict takes the same path.
+    """
+    try:
+        from torch._dynamo.polyfills import pytree as polyfills
+    except ImportError:  # a torch without optree polyfills
+        yield
+        return
+    flag = "__torch_dynamo_can_constant_fold_through__"
+    handlers = [getattr(polyfills, n, None) for n in ("dict_flatten", "dict_unflatten")]
+    handlers = [h for h in handlers if hasattr(h, flag)]
+    saved = [getattr(h, flag) for h in handlers]
+    for h in handlers:
+        setattr(h, flag, False)
+    try:
+        yield
+    finally:
+        for h, value in zip(handlers, saved):
+            setattr(h, flag, value)
 
 
 _LOGGING_METHODS = {"debug", "info", "warning", "warn", "error", "exception", "critical", "log"}
 
 
-def _explain(error: Exception) -> str:
-    reason = str(error).strip().split("\n\n")[0]
+def _shows_fake_tensors(args: tuple) -> bool:
+    """Whether printing ``args`` shows a fake tensor (also one wrapped by ``torch.func``, or
+    formatted into a string)."""
+    for leaf in optree.tree_leaves(args):
+        if isinstance(leaf, FakeTensor):
+            return True
+        if isinstance(leaf, (torch.Tensor, str)) and "FakeTensor(" in (
+            leaf if isinstance(leaf, str) else repr(leaf)
+        ):
+            return True
+    return False
+
+
+def _tracing_limit_errors() -> tuple[type[BaseException], ...]:
+    """Errors that say make_fx cannot trace the step, not that the step itself is wrong."""
+    names = [
+        ("torch._subclasses.fake_tensor", "DataDependentOutputException"),
+        ("torch._subclasses.fake_tensor", "DynamicOutputShapeException"),
+        ("torch._subclasses.fake_tensor", "UnsupportedFakeTensorException"),
+        ("torch._subclasses.fake_tensor", "UnsupportedOperatorException"),
+        ("torch.fx.experimental.symbolic_shapes", "GuardOnDataDependentSymNode"),
+        ("torch.fx.proxy", "TraceError"),
+    ]
+    found = []
+    for module, name in names:
+        with contextlib.suppress(ImportError, AttributeError):
+            found.append(getattr(__import__(module, fromlist=[name]), name))
+    return tuple(found)
+
+
+def _user_frame(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
+    """The innermost of ``frames`` outside torch, optree and fddp: the step's or the model's."""
+    library_dirs = tuple(os.path.dirname(f) + os.sep for f in (torch.__file__, optree.__file__))
+    library_dirs += (_FDDP_DIR,)
+    outside = [f for f in frames if not os.path.abspath(f.filename).startswith(library_dirs)]
+    return outside[-1] if outside else None
+
+
+def _where(frame: traceback.FrameSummary | None) -> str:
+    if frame is None:
+        return ""
+    code = f": {frame.line.strip()}" if frame.line else ""
+    return f"\n  in {frame.name}, {frame.filename}:{frame.lineno}{code}"
+
+
+def _chain(error: BaseException | None) -> list[BaseException]:
+    seen: list[BaseException] = []
+    while error is not None and error not in seen:
+        seen.append(error)
+        error = error.__cause__ or error.__context__
+    return seen
+
+
+def _own_error(
+    make_fx_error: BaseException | None, dynamo_error: BaseException
+) -> tuple[str, traceback.FrameSummary | None] | None:
+    """``("Type: message", frame)`` of the step's own error, when Dynamo stopped on one: an
+    operator that rejected its inputs (a shape mismatch), an exception the step raised, a call
+    with arguments the callee does not take. None when Dynamo hit a limit of tracing."""
+    chain = _chain(dynamo_error)
+    exc = torch._dynamo.exc
+    operator_error = None
+    if isinstance(dynamo_error, exc.TorchRuntimeError):
+        plain = [e for e in chain if not isinstance(e, exc.TorchDynamoException)]
+        operator_error = plain[-1] if plain else None
+    observed = [e for e in chain if isinstance(e, getattr(exc, "ObservedException", ()))]
+    bad_call = str(dynamo_error).startswith("failed to bind arguments")
+    if operator_error is None and not observed and not bad_call:
+        return None
+    if make_fx_error is not None and not isinstance(make_fx_error, _tracing_limit_errors()):
+        frames = traceback.extract_tb(make_fx_error.__traceback__)
+        return _headline(make_fx_error), _user_frame(frames)
+    frame = _user_frame(list(getattr(dynamo_error, "real_stack", None) or []))
+    if operator_error is not None:
+        return _headline(operator_error), frame
+    if observed:
+        return _observed_headline(str(observed[0])), frame
+    plain = [e for e in chain if not isinstance(e, exc.TorchDynamoException)]
+    callee = re.search(r"func='(\w+)'", str(dynamo_error))
+    calling = f" (calling {callee.group(1)})" if callee else ""
+    return (_headline(plain[0]) + calling if plain else str(dynamo_error)), frame
+
+
+def _headline(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).strip()}"
+
+
+def _observed_headline(text: str) -> str:
+    """``"raised exception TypeError('msg')"`` (Dynamo's account of it) as ``"TypeError: msg"``."""
+    match = re.fullmatch(r"raised exception (\w+)\((.*)\)", text.strip(), re.DOTALL)
+    if match is None:
+        return text
+    name, args = match.groups()
+    try:
+        value = ast.literal_eval(args)
+    except (ValueError, SyntaxError):
+        value = args
+    return f"{name}: {value}"
+
+
+def capture_error(make_fx_error: BaseException | None, dynamo_error: BaseException) -> CaptureError:
+    """One :class:`CaptureError` for a step that neither make_fx nor Dynamo could capture.
+
+    When the step itself is wrong (a shape mismatch, a wrong argument: it would fail the same
+    way eagerly) the message starts with the step's own error and where it was raised; when
+    the step is fine but cannot be one graph, it starts with Dynamo's reason and says what to
+    change. The two original exceptions stay on the error as ``make_fx_error`` and
+    ``dynamo_error``.
+    """
+    own = _own_error(make_fx_error, dynamo_error)
+    if own is not None:
+        headline, frame = own
+        message = (
+            f"{headline}{_where(frame)}\n"
+            "fddp.data_parallel ran the step on fake tensors (the arguments' shapes and "
+            "dtypes, no values) to capture it, and the step raised this error: it fails the "
+            "same way when run eagerly. data_parallel(step, trace=False) runs it eagerly, for "
+            "a debugger."
+        )
+    else:
+        message = _explain(dynamo_error, make_fx_error)
+    result = CaptureError(message)
+    result.make_fx_error, result.dynamo_error = make_fx_error, dynamo_error
+    return result
+
+
+def _explain(error: BaseException, make_fx_error: BaseException | None) -> str:
+    """Why Dynamo could not make the step one graph, and what to change."""
+    text = str(error).strip()
+    said = text.split("\n")[0]
+    lowered = text.lower()
+    if "print" in lowered:
+        reason = "it prints a tensor"
+        hint = (
+            "A traced step runs no Python after capture: return the values (a metrics dict) "
+            "and print them outside the step."
+        )
+    elif any(w in lowered for w in ("item", "data-dependent", "data dependent", "jump")):
+        reason = "it uses a tensor's value in Python (.item(), `if loss > 0`, bool(tensor))"
+        hint = "Express it with tensor ops (torch.where), or move it outside the step."
+    else:
+        reason, said = said, ""
+        hint = (
+            "Usual causes: Python control flow on tensor values (.item(), `if loss > 0`), "
+            "printing tensors, or code outside PyTorch inside the step: keep it outside the "
+            "step or express it with tensor ops (torch.where)."
+        )
+    notes = [f"Dynamo: {said}"] if said else []
+    if make_fx_error is not None:
+        line = str(make_fx_error).strip().split("\n")[0]
+        notes.append(f"make_fx, tried first: {type(make_fx_error).__name__}: {line}")
+    frames = list(getattr(error, "real_stack", None) or [])
+    where = _where(_user_frame(frames) or getattr(error, "innermost_user_frame_summary", None))
     return (
-        f"fddp.data_parallel could not capture the step as one graph: {reason}\n"
-        "Usual causes: Python control flow on tensor values (.item(), `if loss > 0`, "
-        "bool(tensor)), printing tensors, or calling code outside PyTorch inside the step. "
-        "Keep such code outside the step or express it with tensor ops (torch.where), or pass "
-        "trace=False to run the same step eagerly (collectives bucketed, no backward overlap)."
+        f"fddp.data_parallel could not capture the step as one graph: {reason}{where}\n"
+        f"{hint} Or pass trace=False to run the same step eagerly (collectives bucketed, no "
+        "backward overlap)." + "".join(f"\n({note})" for note in notes)
     )

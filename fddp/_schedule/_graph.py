@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TypeVar
 
 import torch
 from torch import fx
@@ -59,7 +60,7 @@ def is_view(node: fx.Node) -> bool:
     """An op whose first output aliases its first input without writing it."""
     op = _overload(node)
     if op is None:
-        return node.op == "call_function" and node.target.__name__ == "getitem"
+        return node.op == "call_function" and getattr(node.target, "__name__", "") == "getitem"
     returns = op._schema.returns
     return (
         bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
@@ -80,7 +81,7 @@ def mutated_inputs(node: fx.Node) -> list[fx.Node]:
     op = _overload(node)
     if op is None:
         return []
-    out = []
+    out: list[fx.Node] = []
     for i, arg in enumerate(op._schema.arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
@@ -129,11 +130,14 @@ def in_place_writes(graph: fx.Graph) -> dict[fx.Node, list[int]]:
     return out
 
 
+Position = TypeVar("Position", int, float)  # a node's index, or a float between two indices
+
+
 def ready_position(
-    pos: dict[fx.Node, int], writes: dict[fx.Node, list[int]], source: fx.Node, reader: fx.Node
-) -> int:
+    pos: dict[fx.Node, Position], writes: dict[fx.Node, list[int]], source: fx.Node, reader: fx.Node
+) -> Position:
     """Where ``source`` holds the value ``reader`` sees: after its last write before ``reader``."""
-    earlier = [w for w in writes.get(alias_root(source), []) if w < pos[reader]]
+    earlier: list[int] = [w for w in writes.get(alias_root(source), []) if w < pos[reader]]
     return max([pos[source], *earlier])
 
 

@@ -45,6 +45,8 @@ class Schedule:
     collectives: tuple[CollectivePlan, ...]
     compute_nodes: int
     capture_seconds: float
+    captured_with: str = "make_fx"  # or "dynamo", for steps make_fx cannot trace
+    replication: tuple[tuple[str, str], ...] = ()  # (output leaf, "replicated" or why per-rank)
 
     @property
     def buckets(self) -> tuple[CollectivePlan, ...]:
@@ -65,12 +67,18 @@ class Schedule:
         n, b = len(self.collectives), len(self.buckets)
         rows.append(
             f"{n} collective{'s' * (n != 1)} ({b} bucketed all-reduce{'s' * (b != 1)}) over "
-            f"{self.compute_nodes} compute nodes; captured in {self.capture_seconds:.2f} s"
+            f"{self.compute_nodes} compute nodes; captured with {self.captured_with} in "
+            f"{self.capture_seconds:.2f} s"
         )
+        if self.replication:
+            rows.append("outputs:")
+            rows.extend(f"  {path:<30} {how}" for path, how in self.replication)
         return "\n".join(rows)
 
 
-def describe(graph: fx.Graph, buckets: list[BucketNodes], capture_seconds: float) -> Schedule:
+def describe(
+    graph: fx.Graph, buckets: list[BucketNodes], capture_seconds: float, captured_with: str
+) -> Schedule:
     by_launch = {b.launch: b for b in buckets}
     compute_before: dict[fx.Node, int] = {}
     count = 0
@@ -95,4 +103,19 @@ def describe(graph: fx.Graph, buckets: list[BucketNodes], capture_seconds: float
                 wait=compute_before[wait],
             )
         )
-    return Schedule(tuple(plans), count, capture_seconds)
+    return Schedule(tuple(plans), count, capture_seconds, captured_with)
+
+
+def collective_sequence(graph: fx.Graph) -> list[str]:
+    """One line per collective, in launch order: op, shape, dtype, non-tensor arguments and the
+    leaves it carries (a bucket's leaves in packing order), so that two ranks whose buckets have
+    the same size but hold different gradients do not pass for the same schedule."""
+    lines = []
+    for node in graph.nodes:
+        if is_collective(node):
+            val = node.args[0].meta["val"]
+            extra = [a for a in node.args[1:] if not isinstance(a, fx.Node)]
+            shape = "x".join(map(str, val.shape))
+            leaves = node.meta.get("fddp_leaves") or node.meta.get("custom", {}).get("fddp_leaf")
+            lines.append(f"{node.target._opname}({shape}, {val.dtype}, {extra}, {leaves})")
+    return lines

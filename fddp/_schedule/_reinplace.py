@@ -99,7 +99,7 @@ class _Storages:
 
 def _protected(graph: fx.Graph, donated: set[fx.Node]) -> set[StorageWeakRef]:
     """Storages that must keep their contents: inputs not donated, constants, outputs, comms."""
-    keep = set()
+    keep: set[StorageWeakRef] = set()
     for node in graph.nodes:
         vals = _tensors(node.meta.get("val"))
         if (node.op in ("placeholder", "get_attr") and node not in donated) or is_collective(node):
@@ -134,7 +134,7 @@ def _dense(t: torch.Tensor) -> bool:
 def _disjoint(tensors: list[torch.Tensor]) -> bool:
     """Each tensor is dense without self-overlap, and no two share memory (disjoint slices of
     one storage are fine)."""
-    spans: dict[StorageWeakRef, list[tuple[int, int]]] = {}
+    spans: dict[StorageWeakRef, list[tuple[int | torch.SymInt, int | torch.SymInt]]] = {}
     for t in tensors:
         if not _dense(t):
             return False

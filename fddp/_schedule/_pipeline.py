@@ -1,4 +1,5 @@
-"""The pipeline from an aten graph to a runnable step: bucket, overlap, describe, build."""
+"""The pass pipeline from a captured aten graph to a runnable step, in DESIGN.md's order:
+replication analysis, bucket, overlap, reinplace, describe, build."""
 
 from __future__ import annotations
 
@@ -7,9 +8,8 @@ import dataclasses
 import torch
 from torch import fx
 
-from fddp._schedule import _backend, _bucket, _overlap, _plan, _reinplace, _split
+from fddp._schedule import _backend, _bucket, _overlap, _plan, _reinplace, _replication
 from fddp._schedule._capture import Captured
-from fddp._schedule._fingerprint import collective_sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,18 +18,20 @@ class Options:
     first_bucket_cap_bytes: int
     comm_dtype: torch.dtype | None
     compile: bool | str
-    overlap: bool = True
-    reinplace: bool = True
 
 
 @dataclasses.dataclass
 class Program:
-    """A scheduled graph ready to run, with its plan and its collective sequence."""
+    """A scheduled graph ready to run, with its plan, its collective sequence, and for each
+    graph output the placeholders it depends on without a collective in between (see
+    ``_replication.dependencies``)."""
 
     graph: fx.GraphModule
     schedule: _plan.Schedule
     sequence: list[str]
     run: _backend.Runner
+    output_dependencies: list[int]
+    rank_bit: int
 
 
 def schedule_graph(captured: Captured, options: Options, donated: set[int]) -> Program:
@@ -40,8 +42,8 @@ def schedule_graph(captured: Captured, options: Options, donated: set[int]) -> P
     """
     gm = captured.graph
     graph = gm.graph
-    if options.overlap:
-        _overlap.hoist_gradient_sums(graph)
+    output_dependencies, rank_bit = _replication.dependencies(graph)
+    _overlap.hoist_gradient_sums(graph)
     members = _bucket.find_members(graph)
     cap = options.bucket_cap_bytes
     if cap is None:
@@ -49,11 +51,8 @@ def schedule_graph(captured: Captured, options: Options, donated: set[int]) -> P
     buckets = _bucket.assign(members, cap, options.first_bucket_cap_bytes)
     in_place = options.compile in (False, None, "fx")
     bucket_nodes = _bucket.rewrite(graph, buckets, options.comm_dtype, functional=not in_place)
-    if options.overlap:
-        _split.split_foreach(graph)
-        _overlap.overlap(graph)
-        _split.order_by_bucket(graph)
-    if options.reinplace and in_place:
+    _overlap.overlap(graph)
+    if in_place:
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         donated_nodes = {
             node
@@ -63,5 +62,7 @@ def schedule_graph(captured: Captured, options: Options, donated: set[int]) -> P
         _reinplace.reinplace(graph, donated_nodes)
     graph.lint()
     gm.recompile()
-    plan = _plan.describe(graph, bucket_nodes, captured.seconds)
-    return Program(gm, plan, collective_sequence(graph), _backend.build(gm, options.compile))
+    plan = _plan.describe(graph, bucket_nodes, captured.seconds, captured.method)
+    runner = _backend.build(gm, options.compile)
+    sequence = _plan.collective_sequence(graph)
+    return Program(gm, plan, sequence, runner, output_dependencies, rank_bit)
