@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pickle
+import re
+import secrets
 import struct
-from typing import Any, BinaryIO
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, BinaryIO, TypeVar
 
 import optree
 import torch
 import torch.distributed as dist
 
+from fddp import _runtime
+from fddp._errors import RankFailureError, SaveArrivalError
 from fddp.typing import TensorTree
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, so no removal of orphaned temporary files
+    fcntl = None  # type: ignore[assignment]
 
 __all__ = ["load", "save"]
 
@@ -25,8 +38,20 @@ _HEADER = struct.Struct("<8sI32sQ")  # magic, format version, sha256(payload), l
 _SCALARS = (bool, int, float, str)
 _CHUNK = 1 << 20
 _MAX_LISTED = 10
+# How long rank 0 waits for the other ranks to enter a rank0_only save before it calls the save
+# a mistake (`if rank == 0: fddp.save(...)`); independent of the, much longer, collective timeout.
+_ARRIVAL_TIMEOUT_S = 10.0
+# An unlocked temporary file this young and still empty may be a writer's, created but not yet
+# locked (see _remove_orphans).
+_FRESH_TEMP_S = 60.0
 
 PathLike = str | os.PathLike[str]
+T = TypeVar("T")
+
+_saves = 0  # rank0_only saves this process has entered: each one's keys in the store
+_saves_lock = threading.Lock()
+_writing: set[str] = set()  # temporary files this process is writing now
+_writing_lock = threading.Lock()
 
 
 def save(path: PathLike, tree: TensorTree, *, rank0_only: bool = True) -> None:
@@ -37,15 +62,20 @@ def save(path: PathLike, tree: TensorTree, *, rank0_only: bool = True) -> None:
     The file holds the leaves, their paths and a checksum; the structure comes back from the
     ``like`` tree given to :func:`load`. Tensors are saved on their own device and dtype.
 
-    The bytes go to ``<path>.tmp-<pid>`` in the same directory, are flushed and fsynced, and
-    replace ``path`` with one ``os.replace``: a crash or an error during the save leaves the
-    previous checkpoint at ``path`` untouched and removes the temporary file.
+    The bytes go to a new ``<path>.tmp-<random>`` in the same directory, are flushed and
+    fsynced, and replace ``path`` with one ``os.replace``: a crash or an error during the save
+    leaves the previous checkpoint at ``path`` untouched and removes the temporary file (a
+    killed writer's file is removed by the next save to ``path``). Saves to one path from
+    several threads or processes at once each complete or raise, and ``path`` always holds one
+    complete checkpoint, the last one renamed.
 
     Under ``torch.distributed`` with more than one rank and ``rank0_only=True`` (replicated
-    state), only rank 0 writes, and every rank returns only once the file is in place, so any
-    rank may load it right after; an error on rank 0 is raised on every rank. With
-    ``rank0_only=False`` every rank writes its own file (pass a different ``path`` per rank)
-    and no rank waits for the others.
+    state), every rank calls ``save``: only rank 0 writes, and every rank returns only once
+    the file is in place, so any rank may load it right after; an error on rank 0 is raised
+    on every rank. If another rank has not entered ``save`` within 10 seconds of rank 0, rank 0
+    raises instead of writing. With ``rank0_only=False`` every rank that calls ``save`` writes
+    its own file (pass a different ``path`` per rank) and waits for no other rank: that is the
+    way to save from one rank alone, e.g. ``if fddp.rank() == 0: save(p, t, rank0_only=False)``.
 
     Note:
         This writes one file from one process. For states too large for that (sharded
@@ -60,6 +90,10 @@ def save(path: PathLike, tree: TensorTree, *, rank0_only: bool = True) -> None:
 
     Raises:
         TypeError: If a leaf is neither a tensor nor a bool, int, float or str.
+        OSError: If writing fails (disk full, permissions), with its ``errno`` and ``path``.
+        SaveArrivalError: (a ``ValueError`` and a ``RankFailureError``) If a rank did not call
+            ``save`` in time with ``rank0_only=True``; nothing is written.
+        RankFailureError: If another rank died or the process group already failed.
 
     Example:
         >>> import os, tempfile, torch
@@ -90,7 +124,21 @@ def save(path: PathLike, tree: TensorTree, *, rank0_only: bool = True) -> None:
     if not distributed or dist.get_world_size() == 1:
         _write_atomic(path, payload)
         return
+    with _saves_lock:  # one save at a time, so that every rank numbers them alike
+        global _saves
+        number, _saves = _saves, _saves + 1
+        _save_from_rank0(path, payload, number)
 
+
+def _save_from_rank0(path: str, payload: dict[str, Any], number: int) -> None:
+    """The ``rank0_only`` save number ``number`` of this process, on every rank."""
+    start = time.monotonic()
+    _peer_checked(_check_arrival, path, number, start=start)
+    # Every rank is in this save: a group that already failed (a peer died or timed out
+    # earlier) fails here at once, before rank 0 replaces the file.
+    _peer_checked(dist.barrier, start=start)
+    if dist.get_rank() == 0:  # every rank has read the verdict of _check_arrival
+        _peer_checked(_forget, number, start=start)
     error: BaseException | None = None
     if dist.get_rank() == 0:
         try:
@@ -99,11 +147,84 @@ def save(path: PathLike, tree: TensorTree, *, rank0_only: bool = True) -> None:
             error = e
     # The broadcast doubles as the barrier: no rank returns before rank 0 has finished.
     status = [None if error is None else f"{type(error).__name__}: {error}"]
-    dist.broadcast_object_list(status, src=0)
+    _peer_checked(dist.broadcast_object_list, status, src=0, start=start)
     if error is not None:
         raise error
     if status[0] is not None:
         raise RuntimeError(f"rank 0 failed to save checkpoint {path}: {status[0]}")
+
+
+def _peer_checked(fn: Callable[..., T], *args: Any, start: float, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)``, a collective or store operation of ``save``, with a failure to
+    hear from another rank raised as :class:`RankFailureError`."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as e:
+        if isinstance(e, RankFailureError) or not _runtime.is_peer_failure(e):
+            raise
+        raise _runtime.peer_failure(e, "fddp.save", time.monotonic() - start) from e
+
+
+def _check_arrival(path: str, number: int) -> None:
+    """Make sure every rank has entered this save, through the process group's store.
+
+    Each rank other than 0 sets a key and waits (up to the store's timeout: rank 0 may come
+    late, e.g. after evaluating alone) for rank 0's verdict. Rank 0 waits only
+    ``_ARRIVAL_TIMEOUT_S`` for those keys: a rank missing then most likely skipped ``save``
+    (``if rank == 0: fddp.save(...)``) and is blocked in its next collective, where waiting
+    the full collective timeout would only end in misleading errors on both ranks. No
+    collective is started before every rank is known to be here, so a rank that gives up
+    leaves the group usable. Without a store (a group made without one), nothing is checked.
+    """
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    prefix = f"fddp/save/{number}/"
+    arrived = [f"{prefix}arrived/{r}" for r in range(1, world)]
+    if rank != 0:
+        store.set(arrived[rank - 1], "1")
+        store.wait([f"{prefix}verdict"], store.timeout)  # type: ignore[attr-defined]
+        verdict = store.get(f"{prefix}verdict").decode()
+        if verdict != "go":
+            raise SaveArrivalError(
+                f"fddp.save({path!r}) on rank {rank}: rank 0 stopped waiting before this rank "
+                f"came: {verdict}"
+            )
+        return
+    timeout = store.timeout  # type: ignore[attr-defined]  # a property torch's stub lacks
+    wait_s = min(_ARRIVAL_TIMEOUT_S, timeout.total_seconds())
+    deadline, pause = time.monotonic() + wait_s, 0.001
+    # Polled: a store.wait that times out logs socket warnings from C++.
+    while not store.check(arrived) and time.monotonic() < deadline:
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+    missing = [r for r, key in enumerate(arrived, start=1) if not store.check([key])]
+    if missing:
+        ranks = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}"
+        message = (
+            f"{ranks} did not call fddp.save within {wait_s:g} s of rank 0. With "
+            "rank0_only=True (the default) every rank calls fddp.save with the same arguments: "
+            "rank 0 writes the file and the others wait until it is in place. Call it on every "
+            "rank, not under `if rank == 0:`; to write from one rank alone pass "
+            f"rank0_only=False. (If {ranks} did call fddp.save, it came later or has died or "
+            "hung: see its own log.) Nothing was written."
+        )
+        store.set(f"{prefix}verdict", message)
+        raise SaveArrivalError(f"fddp.save({path!r}) on rank 0: {message}")
+    store.set(f"{prefix}verdict", "go")
+    for key in arrived:
+        store.delete_key(key)
+
+
+def _forget(number: int) -> None:
+    """Delete the last key of save ``number`` from the store, once every rank has read it."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return
+    store.delete_key(f"fddp/save/{number}/verdict")
 
 
 def load(path: PathLike, like: TensorTree | None = None) -> TensorTree:
@@ -212,46 +333,156 @@ def _shorten(text: str, limit: int = 400) -> str:
 
 
 class _HashingWriter:
-    """A write-only file wrapper that hashes and counts what passes through."""
+    """A write-only file wrapper that hashes and counts what passes through.
+
+    ``torch.save`` turns an exception raised by ``write`` into its own ``RuntimeError``
+    ("unexpected pos ..."), so the first ``OSError`` is kept in ``error`` to be raised instead.
+    """
 
     def __init__(self, file: BinaryIO) -> None:
         self.file = file
         self.sha256 = hashlib.sha256()
         self.size = 0
+        self.error: OSError | None = None
 
     def write(self, data: bytes | memoryview) -> int:
         view = memoryview(data).cast("B")
         self.sha256.update(view)
         self.size += len(view)
-        return self.file.write(view)
+        try:
+            return self.file.write(view)
+        except OSError as e:
+            self.error = self.error or e
+            raise
 
     def flush(self) -> None:
-        self.file.flush()
+        try:
+            self.file.flush()
+        except OSError as e:
+            self.error = self.error or e
+            raise
 
 
 def _write_atomic(path: str, payload: dict[str, Any]) -> None:
-    """Write header + ``torch.save(payload)`` to a temp file, fsync it, rename it onto ``path``."""
-    tmp = f"{path}.tmp-{os.getpid()}"
+    """Write header + ``torch.save(payload)`` to a new temp file, fsync it, rename it onto ``path``.
+
+    Raises:
+        OSError: Of the failed write (ENOSPC, EDQUOT, EFBIG, EACCES...), naming ``path``; the
+            temp file is removed and ``path`` untouched.
+    """
+    _remove_orphans(path)
+    tmp = None
     try:
-        with open(tmp, "wb") as f:
+        tmp, fd = _create_temp(path)
+        with open(fd, "wb") as f:
             f.write(bytes(_HEADER.size))
             writer = _HashingWriter(f)
-            torch.save(payload, writer)
+            try:
+                torch.save(payload, writer)  # type: ignore[arg-type]  # needs write, flush only
+            except RuntimeError:
+                if writer.error is None:
+                    raise
+                raise writer.error from None
+            if writer.error is not None:
+                raise writer.error
             f.seek(0)
             f.write(_HEADER.pack(_MAGIC, _VERSION, writer.sha256.digest(), writer.size))
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+            # Renamed while still open, so still locked: no other save takes it for an orphan.
+            os.replace(tmp, path)
+        if os.name == "posix":  # make the rename itself durable
+            dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+    except BaseException as e:
+        if tmp is not None:
+            _remove_quietly(tmp)
+        if isinstance(e, OSError) and e.errno is not None:
+            reason = f"{e.strerror or e}; the previous checkpoint, if any, is untouched"
+            raise OSError(e.errno, f"cannot write checkpoint: {reason}", path) from e
         raise
-    if os.name == "posix":  # make the rename itself durable
-        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    finally:
+        if tmp is not None:
+            with _writing_lock:
+                _writing.discard(tmp)
+
+
+def _create_temp(path: str) -> tuple[str, int]:
+    """Create and lock a new ``<path>.tmp-<random>``; return its name and file descriptor.
+
+    A unique name per save (not per process: threads share a pid, and so do processes in other
+    PID namespaces) lets saves to one path run at once. The file is created with mode 0o666
+    less the umask, like any new file, so the checkpoint gets the usual permissions.
+    """
+    while True:
+        tmp = f"{os.path.abspath(path)}.tmp-{secrets.token_hex(8)}"
+        with _writing_lock:
+            _writing.add(tmp)
         try:
-            os.fsync(fd)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0))
+        except FileExistsError:
+            with _writing_lock:
+                _writing.discard(tmp)
+            continue
+        except BaseException:
+            with _writing_lock:
+                _writing.discard(tmp)
+            raise
+        if fcntl is not None:
+            # Where locks are refused, other saves cannot take them either, nor this file.
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return tmp, fd
+
+
+def _remove_orphans(path: str) -> None:
+    """Remove the temporary files of ``path`` left by saves that were killed (SIGKILL, OOM).
+
+    A writer holds an exclusive ``flock`` on its temporary file from creation until it has
+    renamed and closed it, and the lock dies with the process. So a temp file whose lock this
+    process can take has no live writer in any other process; ``_writing`` rules out the
+    writers of this process (``flock`` does too, except on file systems that emulate it with
+    per-process POSIX locks, e.g. NFS). The one gap, a file created but not yet locked, is
+    empty: an empty file younger than ``_FRESH_TEMP_S`` is left for a later save. Where
+    ``flock`` is missing or refused, nothing is removed. Files of other paths are not touched.
+    """
+    if fcntl is None:
+        return
+    directory, base = os.path.split(os.path.abspath(path))
+    pattern = re.compile(re.escape(base) + r"\.tmp-[0-9A-Za-z]+")
+    try:
+        names = [n for n in os.listdir(directory) if pattern.fullmatch(n)]
+    except OSError:
+        return
+    for name in names:
+        tmp = os.path.join(directory, name)
+        with _writing_lock:
+            if tmp in _writing:
+                continue
+        try:
+            # Writable: NFS emulates flock with POSIX locks, and an exclusive one needs it.
+            fd = os.open(tmp, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            continue  # renamed or removed meanwhile, or not ours to open
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            info = os.fstat(fd)
+            if info.st_size == 0 and time.time() - info.st_mtime < _FRESH_TEMP_S:
+                continue
+            if os.path.samestat(info, os.stat(tmp)):
+                os.remove(tmp)
+        except OSError:
+            continue  # locked by a live writer, no locks here, or gone meanwhile
         finally:
             os.close(fd)
+
+
+def _remove_quietly(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(name)
 
 
 def _read(path: str, map_location: str | torch.device) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Collectives over a named axis: psum, pmean, all_gather, broadcast, axis_index, axis_size.
+"""Collectives over a named axis: psum, pmean, psum_scatter, all_gather, broadcast, axis_*.
 
 Every collective takes a pytree and acts per leaf. Over a process-group axis the work is done by
 ``torch.distributed._functional_collectives``: traced inside ``data_parallel`` they become graph
@@ -9,7 +9,7 @@ into flat buckets. Under ``fddp.vmap`` the same calls reduce over the mapped dim
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optree
 import torch
@@ -19,7 +19,12 @@ import torch.fx.traceback as fx_traceback
 
 from fddp import _axes, _runtime
 from fddp._axes import DEFAULT_AXIS
+from fddp._errors import UsageTypeError
+from fddp._schedule._replication import AXIS_INDEX_META
 from fddp._tree import leaves_with_paths, tensor_leaves
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 EAGER_BUCKET_BYTES = 25 * 2**20
 
@@ -28,7 +33,7 @@ class _AllReduceSum(torch.autograd.Function):
     """Sum over the ranks of a group; its vjp is the same sum of the cotangents."""
 
     @staticmethod
-    def forward(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    def forward(x: torch.Tensor, group_name: GroupName) -> torch.Tensor:
         return funcol.wait_tensor(funcol.all_reduce(x, "sum", group_name))
 
     @staticmethod
@@ -40,7 +45,7 @@ class _AllReduceSum(torch.autograd.Function):
         return _AllReduceSum.apply(grad, ctx.group_name), None
 
 
-def _all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
+def _all_reduce_sum(x: torch.Tensor, group_name: GroupName) -> torch.Tensor:
     if x.requires_grad:
         return _AllReduceSum.apply(x, group_name)
     return funcol.wait_tensor(funcol.all_reduce(x, "sum", group_name))
@@ -79,7 +84,7 @@ class ProcessAxis:
     """An axis whose replicas are the ranks of a ``torch.distributed`` process group."""
 
     name: str
-    group_name: str
+    group_name: GroupName
     group_size: int
     group_rank: int
     traced: bool = False
@@ -88,7 +93,8 @@ class ProcessAxis:
         return self.group_size
 
     def index(self) -> torch.Tensor:
-        return torch.tensor(self.group_rank)
+        with fx_traceback.annotate({AXIS_INDEX_META: True}):  # the one value that is per rank
+            return torch.tensor(self.group_rank)
 
     def psum(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.traced:
@@ -109,6 +115,16 @@ class ProcessAxis:
                 out.append(_gather(part, self.group_name, self.group_size))
         return out
 
+    def psum_scatter(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per leaf, one reduce-scatter along dim 0 (traced: scheduled where its input is ready)."""
+        out = []
+        for x in leaves:
+            if x.requires_grad:
+                out.append(_ReduceScatter.apply(x, self.group_name, self.group_size))
+            else:
+                out.append(_reduce_scatter(x, self.group_name, self.group_size))
+        return out
+
     def broadcast(self, leaves: list[torch.Tensor], src: int) -> list[torch.Tensor]:
         """One broadcast per dtype for the whole call (traced too: the results are usually
         needed at once, as BatchNorm buffers at the start of a step are)."""
@@ -117,7 +133,7 @@ class ProcessAxis:
         )
 
 
-def _gather(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
+def _gather(x: torch.Tensor, group_name: GroupName, size: int) -> torch.Tensor:
     if size == 1:
         return x.clone()
     return funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), 0, group_name))
@@ -127,7 +143,7 @@ class _AllGather(torch.autograd.Function):
     """Concatenate along dim 0 over ranks; the vjp sums cotangents, keeps this rank's rows."""
 
     @staticmethod
-    def forward(x: torch.Tensor, group_name: str, size: int, rank: int) -> torch.Tensor:
+    def forward(x: torch.Tensor, group_name: GroupName, size: int, rank: int) -> torch.Tensor:
         return _gather(x, group_name, size)
 
     @staticmethod
@@ -142,6 +158,28 @@ class _AllGather(torch.autograd.Function):
         return total.narrow(0, ctx.rank * ctx.rows, ctx.rows), None, None, None
 
 
+def _reduce_scatter(x: torch.Tensor, group_name: GroupName, size: int) -> torch.Tensor:
+    if size == 1:
+        return x.clone()
+    return funcol.wait_tensor(funcol.reduce_scatter_single(x.contiguous(), "sum", 0, group_name))
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """Sum over ranks, keep this rank's rows; the vjp gathers the cotangents' rows back."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, group_name: GroupName, size: int) -> torch.Tensor:
+        return _reduce_scatter(x, group_name, size)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.group_name, ctx.size = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _gather(grad, ctx.group_name, ctx.size), None, None
+
+
 def process_axis(
     name: str, group: dist.ProcessGroup | None, *, traced: bool = False
 ) -> ProcessAxis:
@@ -150,8 +188,9 @@ def process_axis(
     ``traced`` axes issue one collective per leaf, annotated with its path, for the scheduler to
     bucket; eager ones pack each call's leaves into flat buckets themselves.
     """
-    _runtime.init()
+    _runtime.ensure_group()
     group = group if group is not None else dist.group.WORLD
+    assert group is not None  # ensure_group() made the default group
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     return ProcessAxis(name, group.group_name, size, rank, traced)
 
@@ -171,6 +210,8 @@ def _map_tensors(
     group the per-leaf collectives and report which leaves each bucket holds.
     """
     leaves, spec = tensor_leaves(tree, what)
+    if not leaves:  # nothing to reduce: the tree as it is (Dynamo may rebuild an empty
+        return tree  # defaultdict as a dict)
     if not (axis.traced and bucketed_by_scheduler):
         return optree.tree_unflatten(spec, fn(leaves))
     out = []
@@ -199,13 +240,15 @@ def pmean(tree: Any, axis_name: str = DEFAULT_AXIS) -> Any:
     """Average every leaf over the replicas of ``axis_name``: ``psum(leaf) / axis_size``.
 
     Inside ``data_parallel``, ``pmean`` of the gradients is the one line that makes N ranks with
-    batch B train like one process with batch N*B.
+    batch B train like one process with batch N*B. Integer leaves are a ``TypeError`` (their
+    mean is not an integer), the same eagerly, traced and under ``fddp.vmap``: use ``psum``.
 
     >>> import fddp, torch
     >>> fddp.pmean(torch.tensor([2.0, 4.0]))
     tensor([2., 4.])
     """
     axis = _axes.lookup(axis_name)
+    _require_floating(tree)
     n = axis.size()
     return _map_tensors(
         tree,
@@ -214,6 +257,52 @@ def pmean(tree: Any, axis_name: str = DEFAULT_AXIS) -> Any:
         lambda xs: [y / n for y in axis.psum(xs)],
         bucketed_by_scheduler=True,
     )
+
+
+def _require_floating(tree: Any) -> None:
+    paths, leaves, _ = leaves_with_paths(tree)
+    for path, leaf in zip(paths, leaves):
+        if isinstance(leaf, torch.Tensor) and not (leaf.is_floating_point() or leaf.is_complex()):
+            raise UsageTypeError(
+                f"pmean: leaf {path} has dtype {leaf.dtype}; the mean of integers is not an "
+                "integer. Use fddp.psum for an integer total, cast the leaf to a floating dtype "
+                "first, or, for module buffers, fddp.nn.sync_buffers(buffers, 'mean'), which "
+                "averages the floating-point buffers and leaves counters such as "
+                "num_batches_tracked as they are."
+            )
+
+
+def psum_scatter(tree: Any, axis_name: str = DEFAULT_AXIS, *, tiled: bool = False) -> Any:
+    """Sum every leaf over the replicas of ``axis_name`` and hand each replica one block of it.
+
+    As ``jax.lax.psum_scatter`` with ``scatter_dimension=0``. Per leaf of shape ``S`` over
+    ``N`` replicas: ``tiled=False`` needs ``S[0] == N`` and replica ``r`` gets
+    ``sum(leaf)[r]`` (shape ``S[1:]``); ``tiled=True`` needs ``S[0]`` divisible by ``N`` and
+    replica ``r`` gets rows ``r*S[0]/N`` to ``(r+1)*S[0]/N`` of the sum. It moves ``1/N`` of
+    the bytes of ``psum`` and is its first half: ``all_gather(psum_scatter(x, tiled=True),
+    tiled=True)`` equals ``psum(x)``. Its gradient is the all-gather of the cotangents.
+
+    >>> import fddp, torch
+    >>> fddp.psum_scatter(torch.tensor([[1.0, 2.0]]))
+    tensor([1., 2.])
+    """
+    axis = _axes.lookup(axis_name)
+    n = axis.size()
+    leaves, spec = tensor_leaves(tree, "psum_scatter's tree")
+    for x in leaves:
+        rows = x.shape[0] if x.dim() else None
+        if rows is None or (rows % n if tiled else rows != n):
+            need = f"a multiple of {n}" if tiled else f"{n}"
+            raise ValueError(
+                f"psum_scatter over axis {axis_name!r} ({n} replicas) needs every leaf's dim 0 "
+                f"to be {need}; got a leaf of shape {list(x.shape)}. Pad the leaf along dim 0"
+                + (" (or use tiled=True for a multiple)." if not tiled else ".")
+            )
+    flat = leaves if tiled else [x.flatten(0, 1) if x.dim() > 1 else x for x in leaves]
+    out = axis.psum_scatter(flat) if flat else []
+    if not tiled:
+        out = [y.reshape(x.shape[1:]) for x, y in zip(leaves, out)]
+    return optree.tree_unflatten(spec, out)
 
 
 def all_gather(tree: Any, axis_name: str = DEFAULT_AXIS, *, tiled: bool = False) -> Any:

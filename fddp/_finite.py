@@ -7,8 +7,7 @@ from typing import NamedTuple
 import optree
 import torch
 
-from fddp._optim import GradientTransformation
-from fddp.typing import OptState, Params, TensorTree, Updates
+from fddp.typing import GradientTransformation, OptState, Params, TensorTree, Updates
 
 
 class ApplyIfFiniteState(NamedTuple):
@@ -39,7 +38,10 @@ def all_finite(tree: TensorTree) -> torch.Tensor:
     if not leaves:
         return torch.ones((), dtype=torch.bool)
     device = leaves[0].device
-    return torch.stack([torch.isfinite(x).all().to(device) for x in leaves]).all()
+    finite = torch.stack([torch.isfinite(x).all().to(device) for x in leaves]).all()
+    from fddp._zero import sharded_all  # under fddp.optim.shard_state: all shards finite
+
+    return sharded_all(finite)
 
 
 def apply_if_finite(

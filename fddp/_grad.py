@@ -13,8 +13,18 @@ from fddp._tree import leaves_with_paths, tensor_leaves
 
 
 def _differentiable_leaves(arg: Any, argnum: int) -> tuple[list[torch.Tensor], Any]:
+    paths, leaves, _ = leaves_with_paths(arg)
+    for path, leaf in zip(paths, leaves):
+        if isinstance(leaf, torch.nn.Module):
+            where = f"argument {argnum}" + ("" if path == "<root>" else f" leaf {path}")
+            raise TypeError(
+                f"{where} is a torch.nn.Module ({type(leaf).__name__}), not a pytree of "
+                "tensors: differentiate with respect to its parameters. Take them with "
+                "`params, buffers = fddp.state(model)` and call the model as "
+                "`fddp.functional(model)(params, buffers, *inputs)`."
+            )
     leaves, spec = tensor_leaves(arg, f"differentiated argument {argnum}")
-    for path, leaf in zip(leaves_with_paths(arg)[0], leaves):
+    for path, leaf in zip(paths, leaves):
         if not (leaf.is_floating_point() or leaf.is_complex()):
             raise TypeError(
                 f"argument {argnum} leaf {path} has dtype {leaf.dtype}; gradients need floating "

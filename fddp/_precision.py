@@ -17,7 +17,7 @@ def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     as float32.
 
     >>> import fddp, torch
-    >>> tree = fddp.cast_floating({"w": torch.ones(2), "ids": torch.arange(2)}, torch.bfloat16)
+    >>> tree = fddp.nn.cast_floating({"w": torch.ones(2), "ids": torch.arange(2)}, torch.bfloat16)
     >>> tree["w"].dtype, tree["ids"].dtype
     (torch.bfloat16, torch.int64)
     """
@@ -49,7 +49,7 @@ def mixed_precision(
         output_dtype: dtype of the floating outputs.
 
     >>> import fddp, torch
-    >>> loss_fn = fddp.mixed_precision(lambda w, x: (x @ w).sum())
+    >>> loss_fn = fddp.nn.mixed_precision(lambda w, x: (x @ w).sum())
     >>> g = fddp.grad(loss_fn)(torch.ones(3), torch.ones(2, 3))
     >>> g, g.dtype
     (tensor([2., 2., 2.]), torch.float32)

@@ -1,4 +1,4 @@
-"""Check that values meant to be replicated really are identical on every rank."""
+"""Which values are the same on every rank: bitwise digests of tensors, compared across ranks."""
 
 from __future__ import annotations
 
@@ -7,64 +7,80 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fddp._agree import find_difference
+from fddp._errors import ReplicaMismatchError
 from fddp._tree import leaves_with_paths
 
-
-class ReplicaMismatchError(RuntimeError):
-    """Ranks hold different values for something that must be the same everywhere."""
-
-
-def _checksums(leaves: list[torch.Tensor]) -> torch.Tensor:
-    """Two float64 numbers per leaf: the sum and the 2-norm of its values."""
-    sums = []
-    for t in leaves:
-        t = t.detach()
-        if t.is_floating_point() or t.is_complex():
-            sums.append(
-                torch.stack(
-                    [t.sum(dtype=torch.float64), torch.linalg.vector_norm(t, dtype=torch.float64)]
-                )
-            )
-        else:
-            sums.append(torch.stack([t.sum(dtype=torch.float64), t.abs().sum(dtype=torch.float64)]))
-    return torch.stack(sums).cpu() if sums else torch.zeros(0, 2, dtype=torch.float64)
+_CHUNK = 1 << 22  # words hashed at once, to bound the temporary memory
+_WEIGHT = (-7046029254386353131, 1442695040888963407)  # odd 64-bit multipliers (wrapping)
+_SECOND = (-4658895280553007687, 6364136223846793005)
 
 
-def check_identical(tree: Any, group: dist.ProcessGroup, what: str) -> None:
-    """Raise on every rank if the tensor leaves of ``tree`` differ between ranks.
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` as int64 words, 4 bytes each where the size allows."""
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return (raw.view(torch.int32) if raw.numel() % 4 == 0 else raw).to(torch.int64)
 
-    First the trees' layouts (structure, leaf paths, shapes, dtypes) are compared, so that the
-    checksum all-gather below has the same size on every rank; then one small all-gather of two
-    checksums per leaf; NaNs compare equal to NaNs.
+
+def _hash(words: torch.Tensor, offset: int) -> torch.Tensor:
+    """Two position-weighted sums in wrapping int64 arithmetic: exact, order-independent to
+    compute, so equal on every device, and changed by a permutation of the words."""
+    position = torch.arange(offset, offset + words.numel(), dtype=torch.int64, device=words.device)
+    first = (words * (position * _WEIGHT[0] + _WEIGHT[1])).sum()
+    second = (words * words * (position * _SECOND[0] + _SECOND[1])).sum()
+    return torch.stack([first, second])
+
+
+def digests(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A ``(len(tensors), 2)`` int64 CPU tensor: a digest of each tensor's exact bits.
+
+    Two tensors of one shape and dtype have the same digest when their bits are equal (NaNs
+    included); rows permuted, a square matrix transposed or one bit flipped change it.
+    """
+    rows = []
+    for t in tensors:
+        words = _words(t)
+        total = torch.zeros(2, dtype=torch.int64, device=words.device)
+        for start in range(0, max(words.numel(), 1), _CHUNK):
+            total += _hash(words[start : start + _CHUNK], start)
+        rows.append(total.cpu())
+    return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.int64)
+
+
+def _describe(leaf: Any, digest: torch.Tensor | None) -> str:
+    if not isinstance(leaf, torch.Tensor):
+        return repr(leaf)
+    text = f"{str(leaf.dtype).removeprefix('torch.')} {list(leaf.shape)}"
+    return text if digest is None else text + f" with digest {int(digest[0]) & (2**64 - 1):016x}"
+
+
+def check_identical(tree: Any, group: dist.ProcessGroup | None, what: str) -> None:
+    """Raise :class:`ReplicaMismatchError` on every rank if ``tree`` differs between ranks.
+
+    Compares the structure, each leaf's shape and dtype, and a digest of each tensor's bits
+    (one small all-reduce when all agree), naming the first leaf that differs.
     """
     paths, leaves, spec = leaves_with_paths(tree)
-    tensors = [(p, x) for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)]
-    layout = (str(spec), [(p, tuple(x.shape), str(x.dtype)) for p, x in tensors])
-    layouts: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(layouts, layout, group=group)
-    for r, (their_spec, theirs) in enumerate(layouts[1:], start=1):
-        if (their_spec, theirs) != layouts[0]:
-            ours = layouts[0][1]
-            first = next(
-                ((a, b) for a, b in zip([*theirs, None], [*ours, None]) if a != b),
-                (their_spec, layouts[0][0]),
-            )
-            raise ReplicaMismatchError(
-                f"{what} differ between ranks: rank {r} holds a differently shaped tree than "
-                f"rank 0 (first difference: {first[0]} on rank {r}, {first[1]} on rank 0). "
-                "Build the same tree on every rank (same model code and config)."
-            )
-    local = _checksums([x for _, x in tensors])
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    by_leaf = iter(digests(tensors))
+    lines = []
+    for path, leaf in zip(paths, leaves):
+        digest = next(by_leaf) if isinstance(leaf, torch.Tensor) else None
+        lines.append((f"leaf {path}", _describe(leaf, digest)))
+    lines.append(("the tree structure", str(spec)))
+    difference = find_difference(lines, group)
+    if difference is not None:
+        raise ReplicaMismatchError(
+            f"{what} differ between ranks: {difference}. Replicas must start from the same "
+            "values: create them from the same seed and model code, or call "
+            "fddp.replicate(tree) before training."
+        )
+
+
+def varying(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> list[bool]:
+    """For each tensor (of the same shapes on every rank), whether its bits differ between ranks."""
+    local = digests(tensors)
     everyone = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, local, group=group)
-    reference = everyone[0]
-    for r, sums in enumerate(everyone[1:], start=1):
-        same = (sums == reference) | (sums.isnan() & reference.isnan())
-        if not bool(same.all()):
-            leaf = int((~same.all(dim=1)).nonzero()[0])
-            raise ReplicaMismatchError(
-                f"{what} differ between ranks: leaf {tensors[leaf][0]} on rank {r} is not equal to "
-                f"rank 0's (checksums {sums[leaf].tolist()} vs {reference[leaf].tolist()}). "
-                "Replicas must start from the same values: create them from the same seed or "
-                "call fddp.replicate(tree) before training."
-            )
+    stacked = torch.stack(everyone)
+    return (stacked != stacked[0]).any(dim=2).any(dim=0).tolist()

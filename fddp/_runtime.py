@@ -12,12 +12,15 @@ import torch
 import torch.distributed as dist
 
 from fddp import _shutdown
+from fddp._agree import find_difference
+from fddp._errors import RankFailureError
 from fddp._tree import leaves_with_paths, pack_bytes, unpack_bytes
 
 logger = logging.getLogger("fddp")
 
 DEFAULT_TIMEOUT_S = 300.0
 _timeout_s: float | None = None  # set by init(); None when the user made the group
+_joined = False  # a default group existed: after it is destroyed, only init() makes another
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -29,6 +32,12 @@ def init(*, timeout: float | datetime.timedelta | None = None, backend: str | No
     ``cpu:gloo,cuda:nccl`` when every local rank has a CUDA device. With no launcher it makes a
     world of one, so a script written for many ranks runs with plain ``python``.
 
+    Called again, or after the group was made by an earlier implicit call (``fddp.rank()``,
+    a first step) or by ``torch.distributed.init_process_group``, an explicit ``timeout`` is
+    applied to the existing group. After ``torch.distributed.destroy_process_group()``, only an
+    explicit ``fddp.init()`` makes a new group; anything else raises instead of silently
+    joining a new one.
+
     Args:
         timeout: seconds (or a timedelta) after which a collective that waits on a dead or stuck
             rank raises instead of hanging. Defaults to 300 s.
@@ -39,14 +48,28 @@ def init(*, timeout: float | datetime.timedelta | None = None, backend: str | No
     >>> fddp.world_size() >= 1
     True
     """
-    if dist.is_initialized():
-        _shutdown.register()  # a group made by dist.init_process_group needs the handler too
-        return
-    if timeout is None:
-        timeout = DEFAULT_TIMEOUT_S
-    if not isinstance(timeout, datetime.timedelta):
+    _join(timeout, backend, explicit=True)
+
+
+def _join(
+    timeout: float | datetime.timedelta | None, backend: str | None, *, explicit: bool
+) -> None:
+    global _timeout_s, _joined
+    if timeout is not None and not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))
-    global _timeout_s
+    if dist.is_initialized():
+        _joined = True
+        _shutdown.register()  # a group made by dist.init_process_group needs the handler too
+        if timeout is not None:
+            _set_timeout(timeout)
+        return
+    if _joined and not explicit:
+        raise RuntimeError(
+            "the default process group was destroyed (torch.distributed.destroy_process_group()) "
+            "and fddp will not silently join a new one. Call fddp.init() again to make a new "
+            "group before calling fddp functions or steps, or stop using them after destroying it."
+        )
+    timeout = timeout or datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
     _timeout_s = timeout.total_seconds()
     launched = all(v in os.environ for v in _LAUNCHER_VARS)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -62,6 +85,7 @@ def init(*, timeout: float | datetime.timedelta | None = None, backend: str | No
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
+    _joined = True
     _shutdown.register()
     log_rank0(
         "fddp.init: world of %d, backend %s, timeout %.0f s",
@@ -71,15 +95,32 @@ def init(*, timeout: float | datetime.timedelta | None = None, backend: str | No
     )
 
 
-class RankFailureError(RuntimeError):
-    """A collective failed because another rank died, is stuck, or was slower than the timeout."""
+def _set_timeout(timeout: datetime.timedelta) -> None:
+    """Apply ``timeout`` to the existing default group (a private torch API since 2.2)."""
+    global _timeout_s
+    set_pg_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_pg_timeout is None:
+        raise RuntimeError(
+            f"fddp.init(timeout={timeout.total_seconds():g}): the process group already exists "
+            "and this torch cannot change its timeout. Call fddp.init(timeout=...) before "
+            "anything else that uses the group (fddp.rank(), fddp.shard(), a first step)."
+        )
+    set_pg_timeout(timeout)
+    _timeout_s = timeout.total_seconds()
+
+
+def ensure_group() -> None:
+    """Make sure the default group exists (joining it as :func:`init` would with defaults)."""
+    if not dist.is_initialized():
+        _join(None, None, explicit=False)
 
 
 def is_peer_failure(error: BaseException) -> bool:
     """Whether ``error`` is a collective's failure to hear from another rank (gloo or NCCL)."""
     text = str(error)
     return isinstance(error, dist.DistError) or any(
-        s in text for s in ("gloo/transport", "Connection closed", "Connection reset", "NCCL")
+        s in text
+        for s in ("gloo/transport", "Connection closed", "Connection reset", "NCCL", "pair closure")
     )
 
 
@@ -111,7 +152,7 @@ def rank(group: dist.ProcessGroup | None = None) -> int:
     >>> fddp.rank()
     0
     """
-    init()
+    ensure_group()
     return dist.get_rank(group)
 
 
@@ -122,13 +163,13 @@ def world_size(group: dist.ProcessGroup | None = None) -> int:
     >>> fddp.world_size()
     1
     """
-    init()
+    ensure_group()
     return dist.get_world_size(group)
 
 
 def local_device() -> torch.device:
     """The device this rank computes on: its CUDA device under nccl, else the CPU."""
-    init()
+    ensure_group()
     if "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -155,29 +196,19 @@ def replicate(tree: Any, src: int = 0, *, group: dist.ProcessGroup | None = None
     if n == 1:
         return tree
     paths, leaves, spec = leaves_with_paths(tree)
-    tensor_meta = [
-        (p, tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else (p, "value")
+    layout = [
+        (f"leaf {p}", f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else "a value")
         for p, x in zip(paths, leaves)
-    ]
-    values = [None if isinstance(x, torch.Tensor) else x for x in leaves]
-    mine = (str(spec), tensor_meta, values)
-    gathered: list[Any] = [None] * n
-    dist.all_gather_object(gathered, mine, group=group)
-    src_spec, src_meta, src_values = gathered[src]
-    differing = [r for r, (s, m, _) in enumerate(gathered) if (s, m) != (src_spec, src_meta)]
-    if differing:
-        their_spec, theirs, _ = gathered[differing[0]]
-        # Same leaves but different containers (e.g. list vs tuple): the treespecs differ.
-        first = next(
-            ((a, b) for a, b in zip([*theirs, None], [*src_meta, None]) if a != b),
-            (their_spec, src_spec),
-        )
+    ] + [("the tree structure", str(spec))]
+    difference = find_difference(layout, group)
+    if difference is not None:
         raise ValueError(
-            f"fddp.replicate: ranks {differing} hold a tree that differs from rank {src}'s "
-            f"(first difference: {first[0]} vs {first[1]}). Build the same parameter tree on "
-            "every rank (same model code and config) before replicating it."
+            f"fddp.replicate: the tree differs between ranks ({difference}). Build the same "
+            "parameter tree on every rank (same model code and config) before replicating it."
         )
-    out = list(src_values)
+    out: list[Any] = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+    if any(not isinstance(x, torch.Tensor) for x in leaves):  # the same on every rank
+        dist.broadcast_object_list(out, group=group, group_src=src)
     by_device: dict[torch.device, list[int]] = {}
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import optree
 import torch
@@ -16,6 +16,9 @@ from fddp._axes import DEFAULT_AXIS
 from fddp._collectives import ProcessAxis, all_gather, broadcast, pmean
 from fddp._tree import tensor_leaves
 
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
+
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
@@ -27,7 +30,7 @@ class _GatherRows(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(x: torch.Tensor, group_name: str, size: int, rank: int) -> torch.Tensor:
+    def forward(x: torch.Tensor, group_name: GroupName, size: int, rank: int) -> torch.Tensor:
         if size == 1:
             return x.unsqueeze(0).clone()
         return funcol.wait_tensor(funcol.all_gather_single(x.unsqueeze(0), 0, group_name))
@@ -90,7 +93,7 @@ def sync_batch_norm(
 
     >>> import fddp, torch
     >>> x = torch.tensor([[1.0], [3.0]])
-    >>> out, mean, var = fddp.sync_batch_norm(x, torch.zeros(1), torch.ones(1))
+    >>> out, mean, var = fddp.nn.sync_batch_norm(x, torch.zeros(1), torch.ones(1))
     >>> out[:, 0], mean, var
     (tensor([-1.0000,  1.0000]), tensor([0.2000]), tensor([1.1000]))
     """
@@ -144,7 +147,15 @@ class SyncBatchNorm(nn.Module):
     same names as the layer it replaces, and runs :func:`sync_batch_norm`.
     """
 
-    def __init__(self, layer: nn.Module, axis_name: str = DEFAULT_AXIS) -> None:
+    running_mean: torch.Tensor | None
+    running_var: torch.Tensor | None
+    num_batches_tracked: torch.Tensor | None
+
+    def __init__(
+        self,
+        layer: nn.BatchNorm1d | nn.BatchNorm2d | nn.BatchNorm3d | nn.SyncBatchNorm,
+        axis_name: str = DEFAULT_AXIS,
+    ) -> None:
         super().__init__()
         self.num_features = layer.num_features
         self.eps = layer.eps
@@ -177,26 +188,29 @@ class SyncBatchNorm(nn.Module):
                 0.0,
                 self.eps,
             )
-        update = self.track_running_stats
+        tracked = self.num_batches_tracked if self.track_running_stats else None
         factor: float | torch.Tensor = 0.0 if self.momentum is None else self.momentum
-        if update:
-            self.num_batches_tracked.add_(1)
+        if tracked is not None:
+            tracked.add_(1)
             if self.momentum is None:
-                factor = 1.0 / self.num_batches_tracked
+                factor = 1.0 / tracked
+        running_mean = self.running_mean if tracked is not None else None
+        running_var = self.running_var if tracked is not None else None
         out, mean, var = sync_batch_norm(
             x,
-            self.running_mean if update else None,
-            self.running_var if update else None,
+            running_mean,
+            running_var,
             self.weight,
             self.bias,
             momentum=factor,
             eps=self.eps,
             axis_name=self.axis_name,
         )
-        if update:
-            with torch.no_grad():
-                self.running_mean.copy_(mean)
-                self.running_var.copy_(var)
+        with torch.no_grad():
+            if running_mean is not None and mean is not None:
+                running_mean.copy_(mean)
+            if running_var is not None and var is not None:
+                running_var.copy_(var)
         return out
 
 
@@ -211,7 +225,7 @@ def convert_sync_batchnorm(model: nn.Module, *, axis_name: str = DEFAULT_AXIS) -
     not modified.
 
     >>> import fddp, torch
-    >>> model = fddp.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(4)))
+    >>> model = fddp.nn.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(4)))
     >>> type(model[0]).__name__, sorted(fddp.state(model)[1])
     ('SyncBatchNorm', ['0.num_batches_tracked', '0.running_mean', '0.running_var'])
     """
@@ -246,7 +260,7 @@ def sync_buffers(
     Call it on the new buffers inside the step; both choices keep replicas identical.
 
     >>> import fddp, torch
-    >>> fddp.sync_buffers({"running_mean": torch.tensor([0.5])}, "mean")
+    >>> fddp.nn.sync_buffers({"running_mean": torch.tensor([0.5])}, "mean")
     {'running_mean': tensor([0.5000])}
     """
     if how == "broadcast":

@@ -99,7 +99,7 @@ def plot_timeline(trace_path: str | os.PathLike, png_path: str | os.PathLike) ->
     >>> import fddp, torch, tempfile, os
     >>> step = fddp.data_parallel(lambda w: w - fddp.pmean(w))
     >>> d = tempfile.mkdtemp()
-    >>> with step.trace(os.path.join(d, "t.json")):
+    >>> with step.profile(os.path.join(d, "t.json")):
     ...     _ = step(torch.ones(3))
     >>> fddp.plot_timeline(os.path.join(d, "t.json"), os.path.join(d, "t.png"))
     >>> os.path.exists(os.path.join(d, "t.png"))

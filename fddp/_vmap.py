@@ -121,6 +121,44 @@ class _AllGather(torch.autograd.Function):
         return tuple(out), (None,) * len(out)
 
 
+class _PsumScatter(torch.autograd.Function):
+    """Sum over the axis, replica ``r`` keeps block ``r`` of dim 0; vjp: tiled all-gather."""
+
+    @staticmethod
+    def forward(replicas: int, index: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        raise AssertionError("_PsumScatter runs only through its vmap rule")
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.replicas, ctx.index = inputs[0], inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (None, None, *_AllGather.apply(True, ctx.replicas, ctx.index, *grads))
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        return _PsumScatter.apply(ctx.replicas, ctx.index, *tangents[2:])
+
+    @staticmethod
+    def vmap(
+        info: Any,
+        in_dims: tuple[int | None, ...],
+        replicas: int,
+        index: torch.Tensor,
+        *xs: torch.Tensor,
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[int | None, ...]]:
+        _, index_dim, *dims = in_dims
+        if index_dim is None:
+            return _pass_through(_PsumScatter, (replicas,), index, dims, xs)
+        n = info.batch_size
+        out = []
+        for x, d in zip(xs, dims):
+            total = x * n if d is None else torch.sum(x, d, dtype=x.dtype)
+            out.append(total.unflatten(0, (n, -1)))
+        return tuple(out), (0,) * len(out)
+
+
 class _Broadcast(torch.autograd.Function):
     """Replica ``src``'s value everywhere; vjp: psum of cotangents on ``src``, zero elsewhere."""
 
@@ -194,6 +232,11 @@ class VmapAxis:
         if not leaves:
             return []
         return list(_AllGather.apply(tiled, self.replicas, self.replica_index, *leaves))
+
+    def psum_scatter(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        return (
+            list(_PsumScatter.apply(self.replicas, self.replica_index, *leaves)) if leaves else []
+        )
 
     def broadcast(self, leaves: list[torch.Tensor], src: int) -> list[torch.Tensor]:
         return list(_Broadcast.apply(src, self.replica_index, *leaves)) if leaves else []
@@ -312,7 +355,8 @@ def _vmap_call(
     flat_out = torch.func.vmap(
         run,
         in_dims=(0, dims),
-        out_dims=out_dims if uniform else flat_out_dims,
+        # a list (filled in by run) where torch's stub says int or tuple; vmap takes any pytree
+        out_dims=out_dims if uniform else flat_out_dims,  # type: ignore[arg-type]
         randomness=randomness,
     )(torch.arange(replicas, device=device), leaves)
     return optree.tree_unflatten(out_spec[0], flat_out)
@@ -329,7 +373,7 @@ def vmap(
     """Run ``fn`` as N simulated replicas in one process, one per entry of a mapped dimension.
 
     Like ``jax.vmap`` with ``axis_name``: ``fn`` is vectorised with ``torch.func.vmap``, and
-    inside it the collectives (``psum``, ``pmean``, ``all_gather``, ``broadcast``,
+    inside it the collectives (``psum``, ``pmean``, ``psum_scatter``, ``all_gather``, ``broadcast``,
     ``axis_index``, ``axis_size``) with that axis name act across the mapped dimension exactly
     as they act across the ranks of ``data_parallel``. So ``fddp.vmap(step)`` on arguments with
     a leading replica dimension computes what N ranks would, each holding one slice.

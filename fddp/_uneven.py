@@ -48,7 +48,7 @@ def shard_batches(
     whole epoch, and the exact mean over the samples of the last, smaller global batch.
 
     The result works as a ``batch_sampler``:
-    ``DataLoader(dataset, batch_sampler=fddp.shard_batches(len(dataset), 32, shuffle=True,
+    ``DataLoader(dataset, batch_sampler=fddp.data.shard_batches(len(dataset), 32, shuffle=True,
     epoch=epoch))``.
 
     Args:
@@ -66,9 +66,9 @@ def shard_batches(
         One list of dataset indices per step.
 
     >>> import fddp
-    >>> fddp.shard_batches(5, 2, num_replicas=2, rank=0)
+    >>> fddp.data.shard_batches(5, 2, num_replicas=2, rank=0)
     [[0, 2], [4]]
-    >>> fddp.shard_batches(5, 2, num_replicas=2, rank=1)
+    >>> fddp.data.shard_batches(5, 2, num_replicas=2, rank=1)
     [[1, 3], []]
     """
     if num_replicas is None:
@@ -112,7 +112,7 @@ def pad_rows(batch: Any, rows: int) -> tuple[Any, torch.Tensor]:
         ``(padded_batch, mask)``.
 
     >>> import fddp, torch
-    >>> batch, mask = fddp.pad_rows({"x": torch.ones(2, 3)}, 4)
+    >>> batch, mask = fddp.data.pad_rows({"x": torch.ones(2, 3)}, 4)
     >>> batch["x"].shape, mask
     (torch.Size([4, 3]), tensor([1., 1., 0., 0.]))
     """
@@ -126,7 +126,7 @@ def pad_rows(batch: Any, rows: int) -> tuple[Any, torch.Tensor]:
             "pad_rows: every tensor leaf needs the same leading (row) dimension; got "
             + ", ".join(f"{p}: {list(x.shape)}" for p, x in tensors[:4])
         )
-    (n,) = have
+    n = tensors[0][1].shape[0]
     if n > rows:
         raise ValueError(f"pad_rows: the batch has {n} rows, more than rows={rows}.")
     out = [
@@ -153,7 +153,7 @@ def weighted_pmean(tree: Any, weight: float | torch.Tensor, axis_name: str = DEF
         axis_name: the replica axis.
 
     >>> import fddp, torch
-    >>> fddp.weighted_pmean({"g": torch.tensor([2.0, 4.0])}, weight=3)
+    >>> fddp.data.weighted_pmean({"g": torch.tensor([2.0, 4.0])}, weight=3)
     {'g': tensor([2., 4.])}
     """
     leaves, spec = optree.tree_flatten(tree)
@@ -186,7 +186,7 @@ def lockstep(iterable: Iterable[T], *, group: dist.ProcessGroup | None = None) -
     the next step's all-reduce.
 
     >>> import fddp
-    >>> list(fddp.lockstep([1, 2, 3]))
+    >>> list(fddp.data.lockstep([1, 2, 3]))
     [1, 2, 3]
     """
     n = _runtime.world_size(group)
@@ -211,9 +211,9 @@ def lockstep(iterable: Iterable[T], *, group: dist.ProcessGroup | None = None) -
             raise ValueError(
                 f"lockstep: rank(s) {empty} ran out of data after {step} steps while the other "
                 "ranks have more; every rank must make the same number of step calls. Shard the "
-                "data with fddp.shard_batches (the same number of steps everywhere; pad the last "
-                "batch with fddp.pad_rows and average with fddp.weighted_pmean), or drop the "
-                "remainder."
+                "data with fddp.data.shard_batches (the same number of steps everywhere; pad the "
+                "last batch with fddp.data.pad_rows and average with fddp.data.weighted_pmean), "
+                "or drop the remainder."
             )
         step += 1
         yield item  # type: ignore[misc]
