@@ -1,49 +1,35 @@
-"""Optax-style pure gradient transformations on torch's foreach kernels."""
+"""Optax-style pure gradient transformations on torch's foreach kernels.
+
+Under a ``torch.func`` transform (vmap, grad, jvp) leaves are wrapped tensors, for which the
+foreach kernels have no batching rules: there each transformation takes ordinary per-leaf ops.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import optree
 import torch
 
-from fddp.typing import OptState, Params, ScalarOrSchedule, TensorTree, Updates
+from fddp.typing import (
+    GradientTransformation,
+    OptState,
+    Params,
+    ParamsT,
+    ScalarOrSchedule,
+    TensorTree,
+    TransformInitFn,
+    TransformUpdateFn,
+    Updates,
+)
 
 Schedule = Callable[[torch.Tensor], Any]
 
-
-class InitFn(Protocol):
-    """Builds the initial optimizer state from the parameters."""
-
-    def __call__(self, params: Params) -> OptState: ...
-
-
-class UpdateFn(Protocol):
-    """Maps ``(updates, state, params)`` to ``(new_updates, new_state)`` without mutating inputs."""
-
-    def __call__(
-        self, updates: Updates, state: OptState, params: Params | None = None
-    ) -> tuple[Updates, OptState]: ...
-
-
-class GradientTransformation(NamedTuple):
-    """A pair of pure functions: ``init(params)`` and ``update(updates, state, params=None)``.
-
-    Example:
-        >>> import torch
-        >>> from fddp.optim import sgd, apply_updates
-        >>> params = {"w": torch.tensor([1.0, 2.0])}
-        >>> opt = sgd(0.5)
-        >>> state = opt.init(params)
-        >>> updates, state = opt.update({"w": torch.tensor([1.0, 1.0])}, state, params)
-        >>> apply_updates(params, updates)["w"]
-        tensor([0.5000, 1.5000])
-    """
-
-    init: InitFn
-    update: UpdateFn
+# The optimizer protocol lives in fddp.typing; fddp.optim keeps its short names.
+InitFn = TransformInitFn
+UpdateFn = TransformUpdateFn
 
 
 class EmptyState(NamedTuple):
@@ -53,7 +39,7 @@ class EmptyState(NamedTuple):
 class ScaleByScheduleState(NamedTuple):
     """Step count (int64 0-d tensor) of a scheduled scale."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # optax's field name shadows tuple.count
 
 
 class TraceState(NamedTuple):
@@ -65,7 +51,7 @@ class TraceState(NamedTuple):
 class ScaleByAdamState(NamedTuple):
     """Step count (int64 0-d tensor) and first and second moment estimates."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # optax's field name shadows tuple.count
     mu: TensorTree
     nu: TensorTree
 
@@ -86,8 +72,55 @@ def _params_like(params: Params | None, spec: optree.PyTreeSpec, who: str) -> li
     return leaves
 
 
+# The foreach kernels have no vmap batching rules, so leaves wrapped by a torch.func transform
+# (vmap, grad, jvp) take the per-leaf op instead; plain and traced leaves keep the foreach kernel.
+_PER_LEAF: dict[Callable[..., Any], Callable[..., torch.Tensor]] = {
+    torch._foreach_add: torch.add,
+    torch._foreach_addcmul: torch.addcmul,
+    torch._foreach_div: torch.div,
+    torch._foreach_lerp: torch.lerp,
+    torch._foreach_mul: torch.mul,
+    torch._foreach_norm: torch.linalg.vector_norm,
+    torch._foreach_sqrt: torch.sqrt,
+}
+
+
+def _transformed(args: tuple[Any, ...]) -> bool:
+    """Whether a tensor in ``args`` (or in a list there) is wrapped by a ``torch.func`` transform.
+
+    Dynamo traces only the batched-tensor test, so under ``torch.compile`` that is the test.
+    """
+    if torch.compiler.is_compiling():
+        wrapped = torch._C._functorch.is_batchedtensor
+    elif torch._C._functorch.peek_interpreter_stack() is None:
+        return False
+    else:
+        wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    for arg in args:
+        for x in arg if isinstance(arg, (list, tuple)) else (arg,):
+            if isinstance(x, torch.Tensor) and wrapped(x):
+                return True
+    return False
+
+
+def _foreach(op: Callable[..., Any], *args: Any, **kwargs: Any) -> list[torch.Tensor]:
+    """``op(*args, **kwargs)`` for a ``torch._foreach_*`` op, or its per-leaf op under a transform.
+
+    List (or tuple) arguments are taken leaf by leaf; others are passed to every leaf's op.
+    """
+    if not _transformed(args):
+        return op(*args, **kwargs)
+    per_leaf = _PER_LEAF[op]
+    lists = [isinstance(a, (list, tuple)) for a in args]
+    n = len(args[lists.index(True)])
+    return [
+        per_leaf(*(a[i] if is_list else a for a, is_list in zip(args, lists)), **kwargs)
+        for i in range(n)
+    ]
+
+
 def _with_scalar(
-    op: Callable[..., list[torch.Tensor]], leaves: list[torch.Tensor], scalar: Any
+    op: Callable[..., Any], leaves: list[torch.Tensor], scalar: Any
 ) -> list[torch.Tensor]:
     """``op(leaves, scalar)``, where a tensor scalar acts as a Python float would.
 
@@ -96,16 +129,21 @@ def _with_scalar(
     one dtype and device group at a time, and 0-d leaves, which would promote, are cast back.
     """
     if not isinstance(scalar, torch.Tensor):
-        return op(leaves, scalar)
+        return _foreach(op, leaves, scalar)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, leaf in enumerate(leaves):
         groups.setdefault((leaf.device, leaf.dtype), []).append(i)
     out: list[Any] = [None] * len(leaves)
     for (device, dtype), index in groups.items():
         compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-        results = op([leaves[i] for i in index], scalar.to(device, compute))
-        if compute != dtype:
-            results = [r.to(dtype) for r in results]
+        group, factor = [leaves[i] for i in index], scalar.to(device, compute)
+        if _transformed((group, factor)):
+            # a batched scalar is no longer a scalar to the kernel: compute in its dtype here
+            results = [_PER_LEAF[op](x.to(compute), factor).to(dtype) for x in group]
+        else:
+            results = op(group, factor)
+            if compute != dtype:
+                results = [r.to(dtype) for r in results]
         for i, r in zip(index, results, strict=True):
             out[i] = r
     return out
@@ -146,7 +184,7 @@ def identity() -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
-def scale(step_size: float) -> GradientTransformation:
+def scale(step_size: float | torch.Tensor) -> GradientTransformation:
     """Multiplies the updates by a constant.
 
     Args:
@@ -265,7 +303,7 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
         param_leaves = _params_like(params, spec, "add_decayed_weights")
         if not leaves:
             return updates, state
-        new = torch._foreach_add(leaves, param_leaves, alpha=weight_decay)
+        new = _foreach(torch._foreach_add, leaves, param_leaves, alpha=weight_decay)
         return optree.tree_unflatten(spec, new), state
 
     return GradientTransformation(init, update)
@@ -301,8 +339,9 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         leaves, spec = _flatten(updates)
         if not leaves:
             return updates, state
-        buf = torch._foreach_add(torch._foreach_mul(_flatten(state.trace)[0], decay), leaves)
-        out = torch._foreach_add(leaves, buf, alpha=decay) if nesterov else buf
+        old = _flatten(state.trace)[0]
+        buf = _foreach(torch._foreach_add, _foreach(torch._foreach_mul, old, decay), leaves)
+        out = _foreach(torch._foreach_add, leaves, buf, alpha=decay) if nesterov else buf
         return optree.tree_unflatten(spec, out), TraceState(trace=optree.tree_unflatten(spec, buf))
 
     return GradientTransformation(init, update)
@@ -324,8 +363,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         >>> from fddp.optim import scale_by_adam
         >>> opt = scale_by_adam()
         >>> updates, state = opt.update([torch.tensor(-3.0)], opt.init([torch.tensor(0.0)]))
-        >>> updates, state.count
-        ([tensor(-1.)], tensor(1))
+        >>> updates[0].round(decimals=4), state.count
+        (tensor(-1.), tensor(1))
     """
     if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
         raise ValueError(f"b1 and b2 must be in [0, 1); got b1={b1}, b2={b2}.")
@@ -342,17 +381,24 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         count = state.count + 1
         if not leaves:
             return updates, ScaleByAdamState(count, state.mu, state.nu)
-        mu = torch._foreach_lerp(_flatten(state.mu)[0], leaves, 1.0 - b1)
-        nu = torch._foreach_mul(_flatten(state.nu)[0], b2)
-        nu = torch._foreach_addcmul(nu, leaves, leaves, value=1.0 - b2)
+        mu = _foreach(torch._foreach_lerp, _flatten(state.mu)[0], leaves, 1.0 - b1)
+        nu = _foreach(torch._foreach_mul, _flatten(state.nu)[0], b2)
+        nu = _foreach(torch._foreach_addcmul, nu, leaves, leaves, value=1.0 - b2)
         # float64 like torch's Python-float bias corrections; 1 - 0.999**t is imprecise in float32.
         t = count.to(torch.float64)
         bias_correction1 = 1.0 - b1**t
         bias_correction2_sqrt = torch.sqrt(1.0 - b2**t)
-        denom = torch._foreach_add(
-            _with_scalar(torch._foreach_div, torch._foreach_sqrt(nu), bias_correction2_sqrt), eps
+        # nested calls, so that no intermediate list outlives its use (allocator reuse)
+        denom = _foreach(
+            torch._foreach_add,
+            _with_scalar(
+                torch._foreach_div, _foreach(torch._foreach_sqrt, nu), bias_correction2_sqrt
+            ),
+            eps,
         )
-        out = _with_scalar(torch._foreach_div, torch._foreach_div(mu, denom), bias_correction1)
+        out = _with_scalar(
+            torch._foreach_div, _foreach(torch._foreach_div, mu, denom), bias_correction1
+        )
         new_state = ScaleByAdamState(
             count=count, mu=optree.tree_unflatten(spec, mu), nu=optree.tree_unflatten(spec, nu)
         )
@@ -408,9 +454,12 @@ def global_norm(tree: TensorTree) -> torch.Tensor:
     leaves = _flatten(tree)[0]
     if not leaves:
         return torch.zeros(())
-    norms = torch._foreach_norm(leaves)
+    norms = _foreach(torch._foreach_norm, leaves)
     device = norms[0].device
-    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+    norm = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+    from fddp._zero import sharded_norm  # under fddp.optim.shard_state: the norm of all shards
+
+    return sharded_norm(norm)
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -450,7 +499,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
-def apply_updates(params: Params, updates: Updates) -> Params:
+def apply_updates(params: ParamsT, updates: Updates) -> ParamsT:
     """Returns ``params + updates`` as new tensors, in the parameters' dtypes.
 
     Example:
@@ -469,7 +518,7 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     if not leaves:
         return params
     update_leaves = [u.to(p.dtype) for p, u in zip(leaves, update_leaves, strict=True)]
-    return optree.tree_unflatten(spec, torch._foreach_add(leaves, update_leaves))
+    return optree.tree_unflatten(spec, _foreach(torch._foreach_add, leaves, update_leaves))
 
 
 def sgd(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import optree
@@ -35,7 +38,7 @@ def _should_compress(shape: torch.Size, rank: int, min_compression_rate: float) 
     return (n + m) * r * min_compression_rate < n * m
 
 
-def powersgd_init(
+def _init(
     params: Any,
     *,
     rank: int = 1,
@@ -50,7 +53,9 @@ def powersgd_init(
     more than ``min_compression_rate``: ``(n + m) * r * min_compression_rate < n * m``, as in
     DDP's ``powerSGD_hook``. Vectors (biases, norms) and small matrices are averaged exactly.
     The initial ``Q`` factors are standard normal draws from a generator seeded with ``seed``,
-    so every replica starts from the same ones; the errors start at zero.
+    so every replica starts from the same ones (also under ``torch.func.vmap``, which maps
+    ``init`` over stacked parameters without a randomness mode); the errors start at
+    zero.
 
     Args:
         params: the parameters (or gradients) pytree; only shapes and dtypes are read.
@@ -60,25 +65,28 @@ def powersgd_init(
         seed: seed of the initial ``Q`` factors.
 
     >>> import fddp, torch
-    >>> state = fddp.powersgd_init({"w": torch.zeros(64, 32), "b": torch.zeros(64)}, rank=2)
+    >>> state = fddp.powersgd(rank=2).init({"w": torch.zeros(64, 32), "b": torch.zeros(64)})
     >>> {k: tuple(q.shape) for k, q in state.qs.items()}
     {"['w']": (32, 2)}
     """
     if not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"powersgd_init: rank must be a positive int, got {rank!r}.")
+        raise ValueError(f"fddp.powersgd: rank must be a positive int, got {rank!r}.")
     paths, leaves, _ = leaves_with_paths(params)
     generator = torch.Generator().manual_seed(seed)
+    # the draws depend on the seed alone, so vmap(init) needs no randomness mode
+    no_transform = getattr(torch._C, "_DisableFuncTorch", contextlib.nullcontext)
     qs, errors = {}, {}
     for path, leaf in zip(paths, leaves):
         if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
             raise TypeError(
-                f"powersgd_init: leaf {path} is not a floating-point tensor; pass the parameters "
+                f"powersgd's init: leaf {path} is not a floating-point tensor; pass the parameters "
                 "(or a gradient-shaped tree)."
             )
         if not _should_compress(leaf.shape, rank, min_compression_rate):
             continue
         n, m = leaf.shape[0], leaf.shape[1:].numel()
-        q = torch.randn(m, min(n, m, rank), generator=generator, dtype=leaf.dtype)
+        with no_transform():
+            q = torch.randn(m, min(n, m, rank), generator=generator, dtype=leaf.dtype)
         qs[path] = q.to(leaf.device)
         if error_feedback:
             errors[path] = torch.zeros(n, m, dtype=leaf.dtype, device=leaf.device)
@@ -96,7 +104,7 @@ def _orthogonalize(matrix: torch.Tensor, epsilon: float) -> torch.Tensor:
     return torch.stack(columns, dim=1)
 
 
-def powersgd(
+def _update(
     grads: Any,
     state: PowerSGDState,
     *,
@@ -120,8 +128,8 @@ def powersgd(
 
     Args:
         grads: this replica's gradients, structured like the ``params`` of
-            :func:`powersgd_init`.
-        state: the state from :func:`powersgd_init` or from the previous step.
+            ``init``.
+        state: the state from ``init`` or from the previous step.
         epsilon: added to column norms in the orthonormalisation: DDP's
             ``orthogonalization_epsilon``, whose default 0 turns an all-zero gradient (an
             unused parameter) into NaN.
@@ -132,8 +140,8 @@ def powersgd(
 
     >>> import fddp, torch
     >>> grads = {"w": torch.outer(torch.arange(8.0), torch.ones(4))}
-    >>> state = fddp.powersgd_init(grads, rank=1)
-    >>> mean, state = fddp.powersgd(grads, state)
+    >>> psgd = fddp.powersgd(rank=1)
+    >>> mean, state = psgd.update(grads, psgd.init(grads))
     >>> torch.allclose(mean["w"], grads["w"], atol=1e-4)
     True
     """
@@ -143,7 +151,7 @@ def powersgd(
     if missing:
         raise ValueError(
             f"powersgd: the state has factors for leaves {missing[:3]} that grads lacks; build "
-            "the state with fddp.powersgd_init from a tree shaped like these gradients."
+            "the state with powersgd(...).init from a tree shaped like these gradients."
         )
     n = axis_size(axis_name)
     error_feedback = bool(state.errors)
@@ -157,7 +165,7 @@ def powersgd(
             raise ValueError(
                 f"powersgd: gradient leaf {path} has shape {list(g.shape)}, which does not "
                 f"match its state factor {list(state.qs[path].shape)}; rebuild the state with "
-                "fddp.powersgd_init for these parameters."
+                "powersgd(...).init for these parameters."
             )
         if error_feedback:
             m = m + state.errors[path]
@@ -182,3 +190,62 @@ def powersgd(
         if error_feedback:
             new_errors[path] = matrices[i] - approx
     return optree.tree_unflatten(spec, out), PowerSGDState(new_qs, new_errors)
+
+
+class PowerSGD(NamedTuple):
+    """PowerSGD as an ``(init, update)`` pair, like an optimizer of :mod:`fddp.optim`.
+
+    Attributes:
+        init: ``init(params) -> PowerSGDState``, the state for gradients shaped like ``params``.
+        update: ``update(grads, state) -> (averaged_grads, new_state)``, in place of
+            ``fddp.pmean(grads)``.
+    """
+
+    init: Callable[[Any], PowerSGDState]
+    update: Callable[[Any, PowerSGDState], tuple[Any, PowerSGDState]]
+
+
+def powersgd(
+    *,
+    rank: int = 1,
+    min_compression_rate: float = 2.0,
+    error_feedback: bool = True,
+    seed: int = 0,
+    epsilon: float = 1e-8,
+    axis_name: str = DEFAULT_AXIS,
+) -> PowerSGD:
+    """PowerSGD gradient compression (DDP's ``powerSGD_hook``) as a pure ``(init, update)`` pair.
+
+    ``update`` replaces ``fddp.pmean(grads)`` and sends far fewer bytes; its state carries the
+    warm-start factors and this replica's error feedback (per-rank by design, so keep it out of
+    ``check_replicas``). Like DDP, run plain ``fddp.pmean`` for the first steps
+    (``start_powerSGD_iter``) and switch afterwards: two step functions, each traced once.
+
+    Args:
+        rank: the approximation rank (DDP's ``matrix_approximation_rank``).
+        min_compression_rate: the least size reduction worth compressing a leaf for.
+        error_feedback: keep each replica's compression error and add it to its next gradient.
+        seed: seed of the initial ``Q`` factors (the same on every replica).
+        epsilon: added to column norms in the orthonormalisation (DDP's
+            ``orthogonalization_epsilon``, whose default 0 turns an all-zero gradient into NaN).
+        axis_name: the replica axis.
+
+    >>> import fddp, torch
+    >>> psgd = fddp.powersgd(rank=2)
+    >>> grads = {"w": torch.outer(torch.arange(8.0), torch.ones(4)), "b": torch.ones(8)}
+    >>> state = psgd.init(grads)
+    >>> mean, state = psgd.update(grads, state)
+    >>> torch.allclose(mean["w"], grads["w"], atol=1e-4)
+    True
+    """
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"fddp.powersgd: rank must be a positive int, got {rank!r}.")
+    init = functools.partial(
+        _init,
+        rank=rank,
+        min_compression_rate=min_compression_rate,
+        error_feedback=error_feedback,
+        seed=seed,
+    )
+    update = functools.partial(_update, epsilon=epsilon, axis_name=axis_name)
+    return PowerSGD(init, update)
