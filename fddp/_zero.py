@@ -1,0 +1,300 @@
+"""Sharded optimizer state (ZeRO stages 1 and 2): each replica keeps and updates 1/N of it.
+
+The parameters are grouped into flat buckets of whole leaves (one dtype each, up to a byte
+cap). Bucket ``b`` of ``s_b`` elements is padded to ``N * c_b`` with ``c_b = ceil(s_b / N)``
+and replica ``r`` owns elements ``r*c_b`` to ``(r+1)*c_b`` of it: ``torch.chunk``'s split, so
+the shard is a ``Shard(0)`` DTensor piece of the bucket (see ``_checkpoint_sharded``). The
+wrapped optimizer runs on the list of this replica's bucket shards, one tensor per bucket.
+
+Each bucket's gradients go through one reduce-scatter. Under ``data_parallel`` it is launched
+as soon as that bucket's last gradient exists (the packing is hoisted with the gradient sums),
+so it overlaps the rest of the backward pass; the update of bucket ``b`` runs while later
+buckets are still on the wire, and its all-gather starts right after it. Memory: the per-leaf
+gradients die when their bucket is packed, the packed bucket when its reduce-scatter is waited
+for, and from then on only the ``1/N`` shard lives (stage 2 for the optimizer phase). The waits
+sit where their results are first needed, so at the end of the backward pass every bucket is
+still in flight and the gradients' peak is one full copy, as with unsharded buckets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+from collections.abc import Iterator
+from typing import Any, NamedTuple, cast
+
+import optree
+import torch
+import torch.nn.functional as F
+
+from fddp import _axes
+from fddp._axes import DEFAULT_AXIS
+from fddp._collectives import (
+    ProcessAxis,
+    all_gather,
+    axis_index,
+    axis_size,
+    psum,
+    psum_scatter,
+)
+from fddp.typing import GradientTransformation, OptState, Params, Updates
+
+_AUTO_CAP_FRACTION = 16
+_MIN_CAP_BYTES = 2**20
+_MAX_CAP_BYTES = 25 * 2**20
+
+# Axis names over which the optimizer running now sees one shard of the updates: global_norm
+# and all_finite complete their reductions over these (a scope, like _axes.bind).
+_sharded_axes: list[str] = []
+
+
+class ShardedState(NamedTuple):
+    """State of :func:`shard_state`: the wrapped optimizer's state over this replica's shards.
+
+    Attributes:
+        inner: the wrapped optimizer's state, whose per-parameter leaves are lists with one
+            1-d tensor per bucket: this replica's part of that bucket.
+        pieces: one int64 row per bucket, ``(shard_length, offset, length, bucket_size)``:
+            this replica's valid elements are ``length`` elements at ``offset`` of a bucket
+            of ``bucket_size`` elements (the rest of the shard is padding).
+    """
+
+    inner: OptState
+    pieces: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """Leaves (indices in flattening order) of one dtype reduced together."""
+
+    leaves: tuple[int, ...]
+    size: int
+    chunk: int  # elements per replica: ceil(size / replicas)
+
+
+@functools.lru_cache(maxsize=64)
+def _buckets(
+    shapes: tuple[tuple[tuple[int, ...], torch.dtype], ...], replicas: int, cap_bytes: int | None
+) -> tuple[Bucket, ...]:
+    """Whole leaves in flattening order, one dtype per bucket, each up to the cap."""
+    if cap_bytes is None:
+        total = sum(math.prod(s) * d.itemsize for s, d in shapes)
+        cap_bytes = min(_MAX_CAP_BYTES, max(_MIN_CAP_BYTES, total // _AUTO_CAP_FRACTION))
+    open_buckets: dict[torch.dtype, tuple[list[int], int]] = {}
+    done: list[list[int]] = []
+    for i, (shape, dtype) in enumerate(shapes):
+        nbytes = math.prod(shape) * dtype.itemsize
+        if dtype in open_buckets:
+            members, used = open_buckets[dtype]
+            if used < cap_bytes:
+                open_buckets[dtype] = ([*members, i], used + nbytes)
+                continue
+            done.append(members)
+        open_buckets[dtype] = ([i], nbytes)
+    done.extend(members for members, _ in open_buckets.values())
+    done.sort(key=lambda members: members[0])
+    out = []
+    for members in done:
+        size = sum(math.prod(shapes[i][0]) for i in members)
+        out.append(Bucket(tuple(members), size, -(-size // replicas)))
+    return tuple(out)
+
+
+def _layout(leaves: list[torch.Tensor], replicas: int, cap_bytes: int | None) -> tuple[Bucket, ...]:
+    for x in leaves:
+        if not x.is_floating_point():
+            raise TypeError(
+                f"shard_state: a parameter has dtype {x.dtype}; sharded optimizer state needs "
+                "floating-point parameters. Keep integer values out of the parameter tree."
+            )
+    return _buckets(tuple((tuple(x.shape), x.dtype) for x in leaves), replicas, cap_bytes)
+
+
+def _flat_bucket(leaves: list[torch.Tensor], bucket: Bucket, replicas: int) -> torch.Tensor:
+    """The bucket's leaves as one vector, zero-padded to ``replicas * chunk`` elements."""
+    parts = [leaves[i].reshape(-1) for i in bucket.leaves]
+    flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+    pad = replicas * bucket.chunk - bucket.size
+    return F.pad(flat, (0, pad)) if pad else flat
+
+
+def _own_chunk(flat: torch.Tensor, bucket: Bucket, index: torch.Tensor) -> torch.Tensor:
+    """This replica's chunk of a padded bucket (``index`` may be batched by ``fddp.vmap``)."""
+    return flat.view(-1, bucket.chunk).index_select(0, index.reshape(1)).reshape(-1)
+
+
+def _own_slice(leaves: list[torch.Tensor], bucket: Bucket, rank: int) -> torch.Tensor:
+    """Chunk ``rank`` of a padded bucket, built from views of only the leaves it overlaps."""
+    start, stop = rank * bucket.chunk, (rank + 1) * bucket.chunk
+    parts, offset = [], 0
+    for i in bucket.leaves:
+        flat = leaves[i].reshape(-1)
+        lo, hi = offset, offset + flat.numel()
+        offset = hi
+        if max(lo, start) < min(hi, stop):
+            parts.append(flat[max(lo, start) - lo : min(hi, stop) - lo])
+    if not parts:
+        return leaves[bucket.leaves[0]].new_zeros(bucket.chunk)
+    own = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return F.pad(own, (0, bucket.chunk - own.numel())) if own.numel() < bucket.chunk else own
+
+
+def _pieces(buckets: tuple[Bucket, ...], replicas: int, index: torch.Tensor) -> torch.Tensor:
+    rows = [
+        [
+            [b.chunk, r * b.chunk, max(0, min(b.chunk, b.size - r * b.chunk)), b.size]
+            for b in buckets
+        ]
+        for r in range(replicas)
+    ]
+    table = torch.tensor(rows, dtype=torch.int64, device=index.device)
+    return table.index_select(0, index.reshape(1)).squeeze(0)
+
+
+@contextlib.contextmanager
+def _sharded_over(axis_name: str) -> Iterator[None]:
+    _sharded_axes.append(axis_name)
+    try:
+        yield
+    finally:
+        _sharded_axes.pop()
+
+
+def sharded_norm(norm: torch.Tensor) -> torch.Tensor:
+    """The L2 norm over every shard, given this shard's ``norm`` (unchanged when unsharded)."""
+    if not _sharded_axes:
+        return norm
+    square = norm * norm
+    for name in _sharded_axes:
+        square = psum(square, name)
+    return torch.sqrt(square)
+
+
+def sharded_all(flag: torch.Tensor) -> torch.Tensor:
+    """Whether ``flag`` holds on every shard (``flag`` itself when unsharded)."""
+    if not _sharded_axes:
+        return flag
+    failures = (~flag).to(torch.int32)
+    for name in _sharded_axes:
+        failures = psum(failures, name)
+    return failures == 0
+
+
+def shard_state(
+    inner: GradientTransformation,
+    axis_name: str = DEFAULT_AXIS,
+    *,
+    bucket_cap_mb: float | None = None,
+    comm_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    """Shard ``inner``'s state over the replicas of ``axis_name`` (ZeRO stages 1 and 2).
+
+    ``init(params)`` keeps only this replica's ``1/N`` of the state. ``update(grads, state,
+    params)`` takes this replica's own gradients, *not* averaged: each flat bucket of them is
+    reduce-scattered (every replica receives the mean of its shard), ``inner`` updates the
+    shard, and the updated shards are all-gathered, so the result is the full, replicated
+    updates, equal to ``inner.update(pmean(grads), ...)``. In a step, drop the ``pmean`` of the
+    gradients and wrap the optimizer: that is the whole change.
+
+    Inside ``inner``, ``clip_by_global_norm`` and ``apply_if_finite`` see the global norm and
+    the global finiteness (each sums its per-shard part over the replicas), so every replica
+    takes the same decision. ``inner`` must act elementwise on the updates apart from those
+    (as every fddp optimizer does); ``init`` and ``update`` must run where ``axis_name`` is
+    bound: inside ``data_parallel`` or ``fddp.vmap``, or (``"data"``) in the process group.
+
+    Args:
+        inner: the optimizer to shard, e.g. ``fddp.optim.adamw(1e-3)``.
+        axis_name: the replica axis the state is sharded over.
+        bucket_cap_mb: bytes of parameters per bucket (one reduce-scatter and one all-gather
+            each); None: a sixteenth of all, within [1, 25] MiB. The same value must be used to
+            load a checkpoint of this state.
+        comm_dtype: reduce-scatter the gradients in this dtype (e.g. ``torch.bfloat16``);
+            the updates are all-gathered in the parameters' dtype. (``data_parallel``'s own
+            ``comm_dtype`` applies to the all-reduces it buckets, not to these.)
+
+    Returns:
+        A ``GradientTransformation`` whose state is a :class:`ShardedState`.
+
+    Example:
+        >>> import fddp, torch
+        >>> opt = fddp.optim.shard_state(fddp.optim.adam(0.1))
+        >>> params = {"w": torch.tensor([1.0, 2.0, 3.0])}
+        >>> state = opt.init(params)
+        >>> updates, state = opt.update({"w": torch.ones(3)}, state, params)
+        >>> fddp.optim.apply_updates(params, updates)["w"]
+        tensor([0.9000, 1.9000, 2.9000])
+    """
+    if bucket_cap_mb is not None and bucket_cap_mb <= 0:
+        raise ValueError(f"shard_state: bucket_cap_mb must be positive; got {bucket_cap_mb}.")
+    cap_bytes = None if bucket_cap_mb is None else max(1, int(bucket_cap_mb * 2**20))
+
+    def shards(leaves: list[torch.Tensor], buckets: tuple[Bucket, ...], n: int) -> list:
+        axis = _axes.lookup(axis_name)
+        if isinstance(axis, ProcessAxis):  # the rank is a constant: copy only this shard
+            return [_own_slice(leaves, b, axis.group_rank) for b in buckets]
+        index = axis_index(axis_name)
+        return [_own_chunk(_flat_bucket(leaves, b, n), b, index) for b in buckets]
+
+    def init(params: Params) -> ShardedState:
+        leaves = optree.tree_leaves(params, none_is_leaf=False)
+        n = axis_size(axis_name)
+        buckets = _layout(leaves, n, cap_bytes)
+        pieces = _pieces(buckets, n, axis_index(axis_name).to(_device(leaves)))
+        return ShardedState(inner.init(shards(leaves, buckets, n)), pieces)
+
+    def update(
+        updates: Updates, state: OptState, params: Params | None = None
+    ) -> tuple[Updates, ShardedState]:
+        if not isinstance(state, ShardedState):
+            raise TypeError(
+                f"shard_state's update got a {type(state).__name__} as its state; pass the "
+                "state made by this optimizer's init (a ShardedState)."
+            )
+        leaves, spec = optree.tree_flatten(updates, none_is_leaf=False)
+        n = axis_size(axis_name)
+        buckets = _layout(leaves, n, cap_bytes)
+        grads = [_reduce_scatter_mean(_flat_bucket(leaves, b, n), n) for b in buckets]
+        param_shards = None
+        if params is not None:
+            param_leaves = optree.tree_leaves(params, none_is_leaf=False)
+            param_shards = shards(param_leaves, buckets, n)
+        with _sharded_over(axis_name):
+            new, inner_state = inner.update(grads, state.inner, param_shards)
+        out: list[Any] = [None] * len(leaves)
+        for b, shard in zip(buckets, cast("list[torch.Tensor]", new), strict=True):
+            full = all_gather(shard, axis_name, tiled=True)
+            sizes = [leaves[i].numel() for i in b.leaves]
+            parts = full[: b.size].split(sizes) if len(sizes) > 1 else [full[: b.size]]
+            for i, part in zip(b.leaves, parts):
+                out[i] = part.view(leaves[i].shape)
+        return optree.tree_unflatten(spec, out), ShardedState(inner_state, state.pieces)
+
+    def _reduce_scatter_mean(flat: torch.Tensor, n: int) -> torch.Tensor:
+        # the division runs on the 1/N shard; a wire dtype narrower than the gradients' is
+        # divided first, as data_parallel's bucket pass does, to keep the sum in range
+        if comm_dtype is not None and comm_dtype != flat.dtype:
+            wire = (flat / n).to(comm_dtype)
+            return psum_scatter(wire, axis_name, tiled=True).to(flat.dtype)
+        return psum_scatter(flat, axis_name, tiled=True) / n
+
+    return GradientTransformation(init, update)
+
+
+def _device(leaves: list[torch.Tensor]) -> torch.device:
+    return leaves[0].device if leaves else torch.device("cpu")
+
+
+def state_bytes(state: OptState) -> int:
+    """Bytes held by the tensor leaves of an optimizer state on this replica.
+
+    >>> import fddp, torch
+    >>> fddp.optim.state_bytes(fddp.optim.adam(0.1).init({"w": torch.zeros(10)}))
+    88
+    """
+    return sum(
+        x.numel() * x.element_size()
+        for x in optree.tree_leaves(state, none_is_leaf=False)
+        if isinstance(x, torch.Tensor)
+    )
