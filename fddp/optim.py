@@ -1,9 +1,28 @@
-"""Optax-style optimizers: pure ``init``/``update`` transformations, chains and schedules."""
+"""Optax-style optimizers: pure ``init``/``update`` transformations, chains and schedules.
+
+Every transformation runs on ``torch._foreach_*`` kernels, and under ``torch.func`` transforms
+(``vmap``, ``grad``, ``vjp``, ``jvp``, ``fddp.vmap``) on the per-leaf ops those transforms
+support, so one optimizer trains an ensemble under ``torch.func.vmap`` (state per member), runs
+in simulated replicas that carry their own copy, and can be differentiated through.
+
+Example:
+    >>> import torch
+    >>> import fddp.optim as optim
+    >>> opt = optim.sgd(0.5, momentum=0.9)
+    >>> def step(params, state, grads):
+    ...     updates, state = opt.update(grads, state, params)
+    ...     return optim.apply_updates(params, updates), state
+    >>> params = {"w": torch.tensor([[1.0, 2.0], [3.0, 4.0]])}  # two members
+    >>> state = torch.func.vmap(opt.init)(params)
+    >>> params, state = torch.func.vmap(step)(params, state, {"w": torch.ones(2, 2)})
+    >>> params["w"]
+    tensor([[0.5000, 1.5000],
+            [2.5000, 3.5000]])
+"""
 
 from fddp._finite import ApplyIfFiniteState, all_finite, apply_if_finite
 from fddp._optim import (
     EmptyState,
-    GradientTransformation,
     InitFn,
     ScaleByAdamState,
     ScaleByScheduleState,
@@ -28,6 +47,8 @@ from fddp._optim import (
     trace,
     warmup_cosine_decay_schedule,
 )
+from fddp._zero import ShardedState, shard_state, state_bytes
+from fddp.typing import GradientTransformation
 
 __all__ = [
     "ApplyIfFiniteState",
@@ -36,6 +57,7 @@ __all__ = [
     "InitFn",
     "ScaleByAdamState",
     "ScaleByScheduleState",
+    "ShardedState",
     "TraceState",
     "UpdateFn",
     "adam",
@@ -56,6 +78,8 @@ __all__ = [
     "scale_by_learning_rate",
     "scale_by_schedule",
     "sgd",
+    "shard_state",
+    "state_bytes",
     "trace",
     "warmup_cosine_decay_schedule",
 ]

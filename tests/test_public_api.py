@@ -2,46 +2,43 @@
 
 import fddp
 import fddp.optim
+import fddp.typing
 
 PUBLIC = {
     "CaptureError",
-    "PowerSGDState",
+    "PrintWhileTracingWarning",
     "RankFailureError",
     "ReplicaMismatchError",
+    "RetraceWarning",
+    "SaveArrivalError",
     "ScheduleMismatchError",
-    "SyncBatchNorm",
     "accumulate_gradients",
     "all_gather",
     "axis_index",
     "axis_size",
     "broadcast",
-    "cast_floating",
-    "convert_sync_batchnorm",
+    "data",
     "data_parallel",
     "functional",
     "grad",
     "init",
     "load",
-    "lockstep",
-    "mixed_precision",
+    "load_sharded",
+    "nn",
     "optim",
-    "pad_rows",
     "plot_timeline",
     "pmean",
     "powersgd",
-    "powersgd_init",
     "psum",
+    "psum_scatter",
     "rank",
     "replicate",
     "save",
+    "save_sharded",
     "shard",
-    "shard_batches",
     "state",
-    "sync_batch_norm",
-    "sync_buffers",
     "value_and_grad",
     "vmap",
-    "weighted_pmean",
     "world_size",
 }
 
@@ -52,6 +49,7 @@ OPTIM = {
     "InitFn",
     "ScaleByAdamState",
     "ScaleByScheduleState",
+    "ShardedState",
     "TraceState",
     "UpdateFn",
     "adam",
@@ -72,8 +70,26 @@ OPTIM = {
     "scale_by_learning_rate",
     "scale_by_schedule",
     "sgd",
+    "shard_state",
+    "state_bytes",
     "trace",
     "warmup_cosine_decay_schedule",
+}
+
+TYPING = {
+    "Batch",
+    "GradientTransformation",
+    "Grads",
+    "OptState",
+    "Params",
+    "ParamsT",
+    "PowerSGD",
+    "PowerSGDState",
+    "ScalarOrSchedule",
+    "TensorTree",
+    "TransformInitFn",
+    "TransformUpdateFn",
+    "Updates",
 }
 
 
@@ -89,7 +105,35 @@ def test_every_public_name_resolves_and_is_documented():
         assert obj.__doc__, f"fddp.{name} has no docstring"
 
 
+NN = {
+    "SyncBatchNorm",
+    "cast_floating",
+    "convert_sync_batchnorm",
+    "mixed_precision",
+    "sync_batch_norm",
+    "sync_buffers",
+}
+
+DATA = {"lockstep", "pad_rows", "shard_batches", "weighted_pmean"}
+
+
+def test_namespaces_for_model_helpers_and_uneven_data():
+    for module, names in ((fddp.nn, NN), (fddp.data, DATA)):
+        assert set(module.__all__) == names
+        assert {n for n in vars(module) if not n.startswith("_")} == names
+        for name in names:
+            assert getattr(module, name).__doc__, f"{module.__name__}.{name} has no docstring"
+
+
 def test_optim_surface():
     assert set(fddp.optim.__all__) == OPTIM
     for name in fddp.optim.__all__:
         assert getattr(fddp.optim, name).__doc__, f"fddp.optim.{name} has no docstring"
+
+
+def test_typing_surface_and_the_optimizer_protocol_is_one_class():
+    assert set(fddp.typing.__all__) == TYPING
+    assert all(hasattr(fddp.typing, name) for name in TYPING)
+    assert fddp.optim.GradientTransformation is fddp.typing.GradientTransformation
+    assert fddp.optim.InitFn is fddp.typing.TransformInitFn
+    assert fddp.optim.UpdateFn is fddp.typing.TransformUpdateFn
