@@ -268,11 +268,73 @@ def _two_rank_worker(tmpdir: str) -> None:
     save(own, tree, rank0_only=False)
     assert torch.equal(load(own, like=tree)["w"], tree["w"])
     dist.barrier()
+    _save_on_rank0_only(tmpdir)
+    _save_after_a_peer_timed_out(tmpdir)  # last: it breaks the group
+
+
+def _save_on_rank0_only(tmpdir: str) -> None:
+    """`if rank == 0: fddp.save(...)` fails fast on rank 0, and the group stays usable."""
+    import time
+
+    from fddp._runtime import RankFailureError
+
+    rank = dist.get_rank()
+    _checkpoint._ARRIVAL_TIMEOUT_S = 1.0
+    path = os.path.join(tmpdir, "misuse.pt")
+    tree = {"w": torch.ones(3), "step": 1}
+    if rank == 0:
+        with pytest.raises(ValueError, match=r"rank 1 did not call fddp\.save within 1 s") as info:
+            save(path, tree)
+        assert isinstance(info.value, RankFailureError)
+        assert "every rank calls fddp.save" in str(info.value)
+        assert "rank0_only=False" in str(info.value)
+        assert not os.path.exists(path)
+    # Rank 1 went on to its next collective; rank 0, having caught the error, meets it there.
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    assert total.item() == 2
+    # A rank that comes to the save after rank 0 gave up is told so at once.
+    if rank == 1:
+        start = time.monotonic()
+        with pytest.raises(ValueError, match="rank 0 stopped waiting before this rank came"):
+            save(path, tree)
+        assert time.monotonic() - start < 30  # not the collective timeout (300 s)
+    dist.barrier()
+    # Both ranks agree on the next save again.
+    save(path, tree)
+    assert load(path, like=tree)["step"] == 1
+    _checkpoint._ARRIVAL_TIMEOUT_S = 10.0
+
+
+def _save_after_a_peer_timed_out(tmpdir: str) -> None:
+    """After a collective timed out, save raises RankFailureError, every time, on every rank."""
+    import datetime
+
+    from fddp._runtime import RankFailureError
+
+    rank = dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()
+    dist.distributed_c10d._get_default_group().set_timeout(datetime.timedelta(seconds=1))
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="Timed out"):
+            dist.all_reduce(torch.ones(1))  # rank 1 is stuck
+        store.set("test/timed-out", b"1")
+    else:
+        store.wait(["test/timed-out"])
+        with pytest.raises(RuntimeError, match="Connection closed"):
+            dist.all_reduce(torch.ones(1))
+    path = os.path.join(tmpdir, "after-timeout.pt")
+    for attempt in range(2):
+        with pytest.raises(RankFailureError, match=r"fddp\.save: a collective failed") as info:
+            save(path, {"w": torch.ones(3)})
+        assert "pair closure" in str(info.value) or "Connection closed" in str(info.value)
+        print(f"rank {rank}: save {attempt}: {str(info.value).splitlines()[0]}")
+    assert not os.path.exists(path)
 
 
 def test_two_ranks_only_rank0_writes(tmp_path: Path) -> None:
     run_ranks(_two_rank_worker, 2, str(tmp_path))
-    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "rank0.pt", "rank1.pt"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "misuse.pt", "rank0.pt", "rank1.pt"]
     like = {"w": torch.zeros(3), "step": 0}
     assert torch.equal(load(tmp_path / "rank1.pt", like=like)["w"], torch.ones(3))
 
@@ -288,3 +350,178 @@ def test_load_places_tensors_on_like_devices(tmp_path: Path) -> None:
     mixed = load(path, like={"a": torch.zeros(3, device="cuda"), "b": torch.zeros(2), "step": 0})
     assert mixed["a"].is_cuda and not mixed["b"].is_cuda
     assert torch.equal(mixed["b"], torch.arange(2.0))
+
+
+# --- Soundness under concurrency, crashes, full disks and misuse (issue 12) ---
+
+
+def _big_tree(seed: int) -> dict:
+    return {"w": torch.full((256, 1024), float(seed)), "step": seed}  # 1 MiB
+
+
+def test_concurrent_saves_to_one_path(tmp_path: Path) -> None:
+    """Two threads (one pid, as a checkpoint thread beside the training loop) save to one path
+    again and again while a reader loads it: every save returns, every load finds a complete
+    checkpoint, and no temporary file is left."""
+    import threading
+
+    path = tmp_path / "ckpt.pt"
+    save(path, _big_tree(0))
+    errors: list[BaseException] = []
+    loaded: list[int] = []
+
+    def saver(first: int) -> None:
+        try:
+            for seed in range(first, first + 4):
+                save(path, _big_tree(seed))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=saver, args=(first,)) for first in (100, 200)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        try:
+            tree = load(path, like=_big_tree(0))
+        except BaseException as e:
+            errors.append(e)
+            break
+        assert torch.equal(tree["w"], torch.full((256, 1024), float(tree["step"])))
+        loaded.append(tree["step"])
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert load(path, like=_big_tree(0))["step"] in (103, 203)
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+_CHILD_WRITER = """
+import errno, resource, signal, sys, time, torch
+import fddp._checkpoint as ck
+
+# A write error from the kernel inside torch.save (which torch reports as 'unexpected pos'):
+# past a file-size limit, with SIGXFSZ ignored, writes fail with EFBIG, as with ENOSPC.
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (5000, resource.RLIM_INFINITY))
+try:
+    ck.save(sys.argv[1], {"w": torch.ones(10000)})
+except OSError as e:
+    print(errno.errorcode[e.errno], e.filename, flush=True)
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+
+def half_then_hang(obj, f, *args, **kwargs):
+    f.write(b"x" * 4096)
+    f.flush()
+    print("writing", flush=True)
+    time.sleep(600)
+
+torch.save = half_then_hang
+ck.save(sys.argv[1], {"w": torch.ones(3), "step": 1})
+"""
+
+
+def test_write_error_and_kill_in_another_process(tmp_path: Path) -> None:
+    """In a real process: a write refused by the kernel raises OSError(errno, path); a save
+    killed mid-write (SIGKILL, the OOM killer) leaves its temporary file, which the next save
+    to the path removes, but never the temporary file of a save still running."""
+    import signal
+    import subprocess
+    import sys
+
+    path = tmp_path / "ckpt.pt"
+    save(path, make_tree(seed=0))
+    before = path.read_bytes()
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD_WRITER, str(path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline() == f"EFBIG {path}\n"
+        assert child.stdout.readline() == "writing\n"
+        assert path.read_bytes() == before
+        running = [n for n in os.listdir(tmp_path) if n != "ckpt.pt"]
+        assert len(running) == 1 and running[0].startswith("ckpt.pt.tmp-"), running
+        save(path, make_tree(seed=1))  # the child is alive: its file stays
+        assert sorted(os.listdir(tmp_path)) == sorted(["ckpt.pt", *running])
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        child.stdout.close()
+    assert_trees_equal(load(path, like=make_tree()), make_tree(seed=1))
+    save(path, make_tree(seed=2))  # the writer is dead: its file goes
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+    assert_trees_equal(load(path, like=make_tree()), make_tree(seed=2))
+
+
+def test_orphan_removal_spares_other_files(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pt"
+    stale = tmp_path / "ckpt.pt.tmp-12345"  # the name an older fddp used, its writer gone
+    stale.write_bytes(b"partial")
+    empty = tmp_path / "ckpt.pt.tmp-0123abcd"  # maybe created by a writer not yet locked
+    empty.touch()
+    others = ["other.pt.tmp-12345", "ckpt.pt.tmp-notes.txt", "ckpt.pt.bak"]
+    for name in others:
+        (tmp_path / name).write_bytes(b"keep")
+    save(path, make_tree())
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt.pt", empty.name, *others])
+    old = empty.stat().st_mtime - 2 * _checkpoint._FRESH_TEMP_S
+    os.utime(empty, (old, old))
+    save(path, make_tree())
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt.pt", *others])
+
+
+class _FullDisk:
+    """A file that accepts ``room`` bytes, then fails like a full disk."""
+
+    def __init__(self, file, room: int) -> None:
+        self.file, self.room = file, room
+
+    def write(self, data) -> int:
+        size = memoryview(data).nbytes
+        if size > self.room:
+            import errno
+
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= size
+        return self.file.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self.file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
+
+
+@pytest.mark.parametrize("room", [0, 100, 2000, 10**9])
+def test_disk_full_is_an_oserror_naming_the_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, room: int
+) -> None:
+    """ENOSPC during torch.save's writes (which torch turns into 'unexpected pos'), or during
+    the final flush (room=10**9 is never used up: the fsync fails), is raised as that OSError."""
+    import builtins
+    import errno
+
+    path = tmp_path / "ckpt.pt"
+    save(path, make_tree(seed=0))
+    before = path.read_bytes()
+
+    def full_disk_open(*args, **kwargs) -> _FullDisk:
+        return _FullDisk(builtins.open(*args, **kwargs), room)
+
+    monkeypatch.setattr(_checkpoint, "open", full_disk_open, raising=False)
+    if room == 10**9:
+
+        def fsync_fails(fd: int) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(os, "fsync", fsync_fails)
+    with pytest.raises(OSError, match="No space left on device") as info:
+        save(path, make_tree(seed=1))
+    monkeypatch.undo()
+    assert info.value.errno == errno.ENOSPC
+    assert info.value.filename == str(path)
+    assert "previous checkpoint" in str(info.value)
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["ckpt.pt"]

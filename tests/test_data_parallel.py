@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import fddp
 import fddp.optim as optim
-from fddp._schedule._capture import CaptureError
+from fddp import CaptureError
 
 WORLD = 2
 STEPS = 12
@@ -436,11 +436,11 @@ def test_same_signature_does_not_retrace_and_new_batch_shape_does():
     large = _models.regression_batch(1, 6, MLP_SIZES[0], MLP_SIZES[-1])
     p1, _, _ = pstep(params, state, small)
     p2, _, _ = pstep(p1, state, _models.regression_batch(2, 4, MLP_SIZES[0], MLP_SIZES[-1]))
-    assert pstep.retraces == 0 and len(pstep._cache) == 1
+    assert pstep.retraces == 0  # one program compiled
     p3, _, _ = pstep(p2, state, large)
-    assert pstep.retraces == 1 and len(pstep._cache) == 2
-    pstep(p3, state, small)  # back to a known signature: cached
-    assert pstep.retraces == 1 and len(pstep._cache) == 2
+    assert pstep.retraces == 1  # a second one
+    pstep(p3, state, small)  # back to a known signature: cached, compiled no more
+    assert pstep.retraces == 1
     expected, _, _ = step(p2, state, large)
     torch.testing.assert_close(p3, expected, **TIGHT)
 
@@ -536,5 +536,5 @@ def test_a_step_that_fails_eagerly_too_shows_the_plain_error():
     with pytest.raises(CaptureError) as info:
         fddp.data_parallel(step)(params, torch.ones(4, 3))
     message = str(info.value)
-    assert "make_fx stopped with TypeError" in message, message
+    assert message.startswith("TypeError: "), message
     assert "return_buffers" in message and "trace=False" in message, message

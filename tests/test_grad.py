@@ -205,3 +205,68 @@ def test_float32_leaves_keep_dtype():
     g = fddp.grad(lambda p: (p["w"].double() * p["h"]).sum())(p)
     assert g["w"].dtype == torch.float32 and g["h"].dtype == torch.float64
     torch.testing.assert_close(g["w"], p["h"].float())
+
+
+# --- empty containers in arguments, aux and outputs, eagerly and on both capture paths --------
+
+EMPTIES = {
+    "dict": {},
+    "list": [],
+    "tuple": (),
+    "none": None,
+    "ordered_dict": collections.OrderedDict(),
+    "defaultdict": collections.defaultdict(list),
+    "nested": {"a": {}, "b": [(), None], "c": {"d": [{}]}},
+}
+
+
+def _branch_make_fx_cannot_trace(x: torch.Tensor) -> None:
+    """Branch on a tensor value unless Dynamo traces, as Hugging Face's mask code does: make_fx
+    stops on it, so the step is captured with Dynamo."""
+    if not torch.compiler.is_compiling() and bool(x.sum() > 1e9):
+        raise AssertionError("unreachable")
+
+
+def _step_with_empties(empty, path: str):
+    def step(w, arg, x):
+        if path == "dynamo":
+            _branch_make_fx_cannot_trace(x)
+
+        def loss_fn(w):
+            loss = ((x @ w) ** 2).mean()
+            return loss, (empty, {"empty": arg, "loss": loss, "none": None})
+
+        (loss, aux), g = fddp.value_and_grad(loss_fn, has_aux=True)(w)
+        kept = optree.tree_map(lambda t: t * 2, arg)
+        return w - 0.1 * fddp.pmean(g), fddp.pmean(arg), kept, aux, empty, fddp.pmean(loss)
+
+    return step
+
+
+def _torch_at_least(major: int, minor: int) -> bool:
+    return tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (major, minor)
+
+
+@pytest.mark.parametrize("path", ["make_fx", "dynamo"])
+@pytest.mark.parametrize("name", list(EMPTIES))
+def test_empty_containers_in_arguments_aux_and_outputs(name, path):
+    """Dynamo cannot flatten a dict of constants with optree >= 0.20 unless fddp's capture lets
+    it (a model without buffers gives ``functional(..., return_buffers=True)`` an empty aux)."""
+    if name == "defaultdict" and path == "dynamo" and _torch_at_least(2, 15):
+        pytest.xfail(
+            "torch 2.15's Dynamo rebuilds the user's optree.tree_map over an empty defaultdict "
+            "as a dict (fddp's own collectives return such trees as they are)"
+        )
+    empty = EMPTIES[name]
+    step = _step_with_empties(empty, path)
+    w, x = _rand(3), _rand(4, 3)
+    expected = fddp.data_parallel(step, trace=False)(w, empty, x)
+    traced = fddp.data_parallel(step)
+    for _ in range(2):  # the first call of a Dynamo capture runs through Dynamo, later ones not
+        out = traced(w, empty, x)
+        assert optree.tree_structure(out) == optree.tree_structure(expected)
+        assert type(out[4]) is type(empty) and type(out[3][1]["empty"]) is type(empty)
+        for a, b in zip(optree.tree_leaves(out), optree.tree_leaves(expected)):
+            torch.testing.assert_close(a, b)
+    assert traced.schedule(w, empty, x).captured_with == path
+    assert traced.retraces == 0

@@ -24,7 +24,6 @@ import os
 import pickle
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -36,11 +35,10 @@ from pathlib import Path
 import optree
 import pytest
 import torch
-from _dist import run_ranks
+from _dist import free_port, run_ranks, torchrun_env
 
 import fddp
 import fddp.optim as optim
-from fddp import _finite
 
 ROOT = Path(__file__).resolve().parent.parent
 STALL_SCRIPT = Path(__file__).resolve().parent / "_reliability_scripts" / "stall.py"
@@ -58,29 +56,18 @@ ELASTIC_ARGS = ["--steps", str(STEPS), "--every", str(EVERY), "--timeout", "60"]
 
 
 def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports (all bound at once, then released)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+    """``n`` distinct free ports, taken together before any job binds one."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def _base_env() -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-
-
-def _rank_env(rank: int, world: int, port: int) -> dict[str, str]:
-    return {
-        **_base_env(),
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world),
-        "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(world),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }
 
 
 def _process_tree(pid: int) -> list[int]:
@@ -167,7 +154,10 @@ class Job:
 
 
 def _ranks_job(name: str, tmp: Path, args: list[str], port: int, world: int = 2) -> Job:
-    commands = [([sys.executable, *args], _rank_env(r, world, port)) for r in range(world)]
+    commands = [
+        ([sys.executable, *args], {**_base_env(), **torchrun_env(r, world, port)})
+        for r in range(world)
+    ]
     return Job(name, commands, tmp)
 
 
@@ -181,7 +171,7 @@ class Jobs:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.all: list[Job] = []
-        self._ports = iter(_free_ports(7))  # distinct: taken together, before any job binds one
+        self._ports = iter(_free_ports(7))
         self.die = self._add(self._stall_job("die"))
         self.stuck = self._add(self._stall_job("stuck"))
         self.retrace = self._add(self._stall_job("retrace"))
@@ -311,7 +301,7 @@ def _nan_policy() -> list[dict]:
     """4 steps of AdamW under apply_if_finite; at step NAN_STEP rank 1's batch holds a NaN."""
     torch.manual_seed(0)
     params = {"w": torch.randn(4, 3), "b": torch.zeros(3)}
-    opt = _finite.apply_if_finite(optim.adamw(lr=0.1), max_consecutive_errors=2)
+    opt = optim.apply_if_finite(optim.adamw(lr=0.1), max_consecutive_errors=2)
 
     def loss_fn(params, x):
         return (torch.tanh(x @ params["w"] + params["b"]) ** 2).mean()
@@ -453,7 +443,7 @@ def test_nan_on_one_rank_skips_the_update_on_every_rank(checks):
 
 def test_apply_if_finite_skips_nan_and_inf_and_keeps_the_inner_state():
     inner = optim.adam(lr=0.1)
-    opt = _finite.apply_if_finite(inner, max_consecutive_errors=5)
+    opt = optim.apply_if_finite(inner, max_consecutive_errors=5)
     params = {"w": torch.tensor([1.0, -2.0])}
     state = opt.init(params)
     updates, state = opt.update({"w": torch.tensor([0.5, 0.5])}, state, params)
@@ -471,7 +461,7 @@ def test_apply_if_finite_skips_nan_and_inf_and_keeps_the_inner_state():
 
 
 def test_apply_if_finite_applies_after_max_consecutive_errors():
-    opt = _finite.apply_if_finite(optim.sgd(lr=1.0), max_consecutive_errors=1)
+    opt = optim.apply_if_finite(optim.sgd(lr=1.0), max_consecutive_errors=1)
     params = [torch.tensor(1.0)]
     state = opt.init(params)
     nan = [torch.tensor(math.nan)]
@@ -483,7 +473,7 @@ def test_apply_if_finite_applies_after_max_consecutive_errors():
 
 def test_apply_if_finite_rejects_negative_max_consecutive_errors():
     with pytest.raises(ValueError, match="max_consecutive_errors"):
-        _finite.apply_if_finite(optim.sgd(lr=1.0), max_consecutive_errors=-1)
+        optim.apply_if_finite(optim.sgd(lr=1.0), max_consecutive_errors=-1)
 
 
 # --- a dead, a stuck and a diverging rank ---------------------------------------------------

@@ -135,9 +135,9 @@ class GraphView:
 
 
 def _graph(pstep, *args) -> fx.Graph:
-    pstep.schedule(*args)
-    (entry,) = pstep._cache.values()
-    return entry.program.graph.graph
+    graph = pstep.graph(*args).graph
+    assert pstep.retraces == 0, "every step here has one signature, so one program"
+    return graph
 
 
 # --- steps -----------------------------------------------------------------------------------
@@ -238,6 +238,17 @@ def test_bucket_count_and_contents_follow_the_caps(cap, first_cap):
     new, _ = pstep(params, batch)
     old, _ = step(params, batch)  # a world of one: pmean is the identity
     torch.testing.assert_close(new, old, rtol=1e-6, atol=1e-6)
+
+
+def test_graph_is_the_program_the_step_runs_and_needs_a_traced_step():
+    params, batch, step = _mlp_step()
+    pstep = fddp.data_parallel(step)
+    graph = pstep.graph(params, batch)
+    assert isinstance(graph, fx.GraphModule)
+    pstep(params, batch)
+    assert pstep.graph(params, batch) is graph and pstep.retraces == 0  # captured once
+    with pytest.raises(ValueError, match="trace=False"):
+        fddp.data_parallel(step, trace=False).graph(params, batch)
 
 
 def test_default_cap_is_a_sixteenth_of_the_gradient_bytes():

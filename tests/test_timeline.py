@@ -1,4 +1,4 @@
-"""pstep.trace writes a Chrome trace of every rank; plot_timeline renders it."""
+"""pstep.profile writes a Chrome trace of every rank; plot_timeline renders it."""
 
 from __future__ import annotations
 
@@ -11,9 +11,20 @@ from _models import mlp
 
 import fddp
 import fddp.optim as optim
-from fddp._timeline import STEP_EVENT, is_comm, is_compute
 
 SIZES = (64, 256, 256, 256, 8)
+STEP_EVENT = "fddp.step"  # the range each step is recorded under
+
+
+def _is_comm(event: dict) -> bool:
+    """A collective, as gloo's worker thread records it."""
+    return event["name"].startswith("gloo:")
+
+
+def _is_compute(event: dict) -> bool:
+    """An operator (the profiler's cpu_op category) other than a collective's launch or wait."""
+    name = event["name"]
+    return event.get("cat") == "cpu_op" and not name.startswith(("c10d", "_c10d_functional"))
 
 
 def _record(path: str) -> list[dict]:
@@ -33,7 +44,7 @@ def _record(path: str) -> list[dict]:
     opt_state = opt.init(params)
     x, y = torch.randn(256, SIZES[0]), torch.randn(256, SIZES[-1])
     params, opt_state, _ = pstep(params, opt_state, x, y)
-    with pstep.trace(path):
+    with pstep.profile(path):
         for _ in range(4):
             params, opt_state, _ = pstep(params, opt_state, x, y)
     return [c.overlapped for c in pstep.schedule(params, opt_state, x, y).collectives]
@@ -56,8 +67,8 @@ def test_trace_is_chrome_json_with_overlapping_compute_and_comm(tmp_path):
     for rank in (0, 1):
         mine = [e for e in timed if e["pid"] == rank]
         steps = [e for e in mine if e["name"] == STEP_EVENT]
-        comms = [e for e in mine if is_comm(e)]
-        compute = [e for e in mine if is_compute(e)]
+        comms = [e for e in mine if _is_comm(e)]
+        compute = [e for e in mine if _is_compute(e)]
         assert len(steps) == 4 and compute and len(comms) >= 4 * len(overlapped)
         flagged = [c for c in comms if c["args"].get("collective") == most]
         assert len(flagged) == 4, "every step's collectives are numbered in launch order"

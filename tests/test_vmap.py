@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import fddp
-from fddp._vmap import vmap
+from fddp import vmap
 
 N = 4
 
