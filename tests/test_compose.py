@@ -1,0 +1,76 @@
+"""Compositions with torch.compile: around a data_parallel step (the step runs as one opaque call
+inside the compiled region) and fddp's transforms inside a user's torch.compile."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from _dist import run_ranks
+
+import fddp
+import fddp.optim as optim
+
+
+def _setup():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    params, buffers = fddp.state(model)
+    apply = fddp.functional(model)
+    opt = optim.sgd(lr=0.1, momentum=0.9)
+
+    def loss_fn(p, b, batch):
+        return F.cross_entropy(apply(p, b, batch["x"]), batch["y"])
+
+    def step(p, s, b, batch):
+        loss, g = fddp.value_and_grad(loss_fn)(p, b, batch)
+        updates, s = opt.update(fddp.pmean(g), s, p)
+        return optim.apply_updates(p, updates), s, fddp.pmean(loss)
+
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        fddp.shard(
+            {"x": torch.randn(8, 8, generator=g), "y": torch.randint(0, 4, (8,), generator=g)}
+        )
+        for _ in range(3)
+    ]
+    return fddp.data_parallel(step), params, opt.init(params), buffers, batches
+
+
+def _compiled_around_the_step():
+    pstep, params, opt_state, buffers, batches = _setup()
+
+    def loop(p, s):
+        for batch in batches:
+            p, s, loss = pstep(p, s, buffers, batch)
+        return p, s, loss
+
+    direct = loop(params, opt_state)
+    compiled_loop = torch.compile(loop)(params, opt_state)
+    compiled_step = torch.compile(pstep)
+    p, s = params, opt_state
+    for batch in batches:
+        p, s, loss = compiled_step(p, s, buffers, batch)
+    return direct[0], compiled_loop[0], p, (direct[2], compiled_loop[2], loss)
+
+
+def test_torch_compile_around_a_data_parallel_step_equals_calling_it():
+    for direct, loop, step, losses in run_ranks(_compiled_around_the_step, 2, timeout=180):
+        for name in direct:
+            assert torch.equal(direct[name], loop[name]), name
+            assert torch.equal(direct[name], step[name]), name
+        assert torch.equal(losses[0], losses[1]) and torch.equal(losses[0], losses[2])
+
+
+def test_fddp_grad_optim_and_pmean_inside_a_users_fullgraph_compile_equal_eager():
+    opt = optim.adamw(lr=0.1)
+
+    def f(params, opt_state, x):
+        loss, grads = fddp.value_and_grad(lambda p: torch.tanh(x @ p["w"]).pow(2).sum())(params)
+        updates, opt_state = opt.update(fddp.pmean(grads), opt_state, params)
+        return optim.apply_updates(params, updates), opt_state, loss
+
+    params, x = {"w": torch.randn(4, 3)}, torch.randn(5, 4)
+    eager = f(params, opt.init(params), x)
+    compiled = torch.compile(f, fullgraph=True)(params, opt.init(params), x)
+    torch.testing.assert_close(compiled[2], eager[2])
+    torch.testing.assert_close(compiled[0]["w"], eager[0]["w"])
