@@ -1,30 +1,53 @@
-"""Benchmark fddp.data_parallel against torch DDP and local training, interleaved in one run."""
+"""Benchmark fddp.data_parallel against torch DDP and local training, interleaved in one run.
+
+Top to bottom: the flags; the variants (a function per kind that builds a step); one rank's
+interleaved timing loop and memory run; the launch of ranks for each workload; the regimes
+(loopback, the emulated link) and main. ``report.py`` turns the results into markdown and plots.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import gc
 import json
 import math
 import os
+import platform
+import resource
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import netns
 import ranks
 import report
 import torch
-from variants import Spec
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from workloads import WORKLOADS, Workload, build_model, param_count, rank_batches
+
+import fddp
+import fddp.optim as optim
 
 SWEEP_MB = (1.0, 2.0, 5.0, 25.0, 100.0)
+LR, WEIGHT_DECAY = 1e-3, 0.01
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--workloads", default="mlp,gpt,cnn", help="comma-separated: mlp, gpt, cnn")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--workloads",
+        default="mlp,gpt,cnn",
+        help="comma-separated, from: " + ", ".join(WORKLOADS),
+    )
     p.add_argument("--steps", type=int, default=30, help="timed steps per variant")
     p.add_argument("--block", type=int, default=2, help="steps per interleaved block")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after the first call")
@@ -47,7 +70,36 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def specs(args: argparse.Namespace) -> tuple[Spec, ...]:
+# ---- variants: what runs in each timed block ------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """Which variant to build: ``kind`` is local, fddp, ddp, forward or allreduce."""
+
+    kind: str
+    bucket_mb: float | None = None
+    compile: bool = False
+    donate: bool = True
+
+    @property
+    def name(self) -> str:
+        name = self.kind + ("" if self.bucket_mb is None else f"@{self.bucket_mb:g}")
+        return name + ("" if self.donate else "-nodonate") + ("+compile" if self.compile else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One timed thing: ``step(batch)`` runs a training step (or a probe) to completion;
+    ``info()`` gives facts known after a few steps (bytes per all-reduce, capture time);
+    ``parameters()`` the trained parameters by name for the parity check (None for probes)."""
+
+    step: Callable[[Batch], None]
+    info: Callable[[], dict[str, Any]] = dict
+    parameters: Callable[[], dict[str, torch.Tensor] | None] = lambda: None
+
+
+def variant_specs(args: argparse.Namespace) -> tuple[Spec, ...]:
     """The variants of every workload, in block order."""
     main = [Spec("fddp"), Spec("ddp")]
     if not args.sweep:
@@ -65,33 +117,327 @@ def specs(args: argparse.Namespace) -> tuple[Spec, ...]:
     return (*main, *sweep)
 
 
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
+
+
+def _named(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k.removeprefix("module."): v.detach() for k, v in model.named_parameters()}
+
+
+def _eager_step(model: nn.Module, opt: torch.optim.Optimizer, workload: Workload) -> Callable:
+    def step(batch: Batch) -> None:
+        x, y = batch
+        workload.loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def local(spec: Spec, workload: Workload, device: torch.device) -> Variant:
+    """Plain eager training of this rank's share, no communication."""
+    model = build_model(workload, device)
+    return Variant(_eager_step(model, _adamw(model), workload), parameters=lambda: _named(model))
+
+
+def ddp(spec: Spec, workload: Workload, device: torch.device) -> Variant:
+    """``DistributedDataParallel`` (its defaults unless a bucket size is given), AdamW foreach."""
+    kwargs: dict[str, Any] = {}
+    if spec.bucket_mb is not None:
+        kwargs["bucket_cap_mb"] = spec.bucket_mb
+    if device.type == "cuda":
+        kwargs["device_ids"] = [device.index]
+    module = DistributedDataParallel(build_model(workload, device), **kwargs)
+    model = torch.compile(module) if spec.compile else module
+
+    def info() -> dict[str, Any]:
+        data = module._get_ddp_logging_data()
+        sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes", "")
+        return {"allreduce_bytes": [int(s) for s in str(sizes).split(",") if s.strip()]}
+
+    step = _eager_step(model, _adamw(module), workload)
+    return Variant(step, info, parameters=lambda: _named(module))
+
+
+def fddp_(spec: Spec, workload: Workload, device: torch.device) -> Variant:
+    """``fddp.data_parallel`` over a pure step, params and optimizer state donated; its own
+    default bucket size unless one is given."""
+    model = build_model(workload, device)
+    params, buffers = fddp.state(model)
+    params = fddp.replicate(params)
+    opt = optim.adamw(lr=LR, weight_decay=WEIGHT_DECAY)
+    state = [params, opt.init(params), buffers]
+    kwargs: dict[str, Any] = {} if spec.bucket_mb is None else {"bucket_cap_mb": spec.bucket_mb}
+    pstep = fddp.data_parallel(
+        _pure_step(model, workload, opt),
+        compile=spec.compile,
+        donate_argnums=(0, 1) if spec.donate else (),
+        **kwargs,
+    )
+    seen: dict[str, Any] = {}  # the first call's seconds, the last batch
+
+    def step(batch: Batch) -> None:
+        start = time.perf_counter()
+        params, opt_state, buffers, _ = pstep(*state, batch)
+        if "first_call_s" not in seen:
+            seen["first_call_s"] = time.perf_counter() - start
+        state[:] = [params, opt_state, buffers]
+        seen["batch"] = batch
+
+    def info() -> dict[str, Any]:
+        plan = pstep.schedule(*state, seen["batch"])
+        return {
+            "allreduce_bytes": [c.nbytes for c in plan.collectives if c.kind.startswith("all_red")],
+            "collectives": [
+                {"kind": c.kind, "bucket": c.bucket, "nbytes": c.nbytes, "overlap": c.overlapped}
+                for c in plan.collectives
+            ],
+            "capture_s": plan.capture_seconds,
+            "first_call_s": seen["first_call_s"],
+            "retraces": pstep.retraces,
+            "plan": str(plan),
+        }
+
+    return Variant(step, info, parameters=lambda: dict(state[0]))
+
+
+def _pure_step(model: nn.Module, workload: Workload, opt: optim.GradientTransformation) -> Callable:
+    """The pure step; BatchNorm buffers start from rank 0's values, as DDP broadcasts them."""
+    apply = fddp.functional(model, return_buffers=workload.has_buffers)
+
+    def loss_fn(params: dict, buffers: dict, batch: Batch) -> torch.Tensor:
+        x, y = batch
+        return workload.loss(apply(params, buffers, x), y)
+
+    def loss_bn(params: dict, buffers: dict, batch: Batch) -> tuple[torch.Tensor, dict]:
+        x, y = batch
+        out, buffers = apply(params, buffers, x)
+        return workload.loss(out, y), buffers
+
+    def step(params: dict, opt_state: Any, buffers: dict, batch: Batch) -> tuple:
+        if workload.has_buffers:
+            buffers = fddp.broadcast(buffers, src=0)
+            (loss, buffers), grads = fddp.value_and_grad(loss_bn, has_aux=True)(
+                params, buffers, batch
+            )
+        else:
+            loss, grads = fddp.value_and_grad(loss_fn)(params, buffers, batch)
+        grads = fddp.pmean(grads)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optim.apply_updates(params, updates), opt_state, buffers, fddp.pmean(loss)
+
+    return step
+
+
+def forward(spec: Spec, workload: Workload, device: torch.device) -> Variant:
+    """The forward pass and loss alone (autograd recording on): what no all-reduce can hide."""
+    model = build_model(workload, device)
+
+    def step(batch: Batch) -> None:
+        x, y = batch
+        workload.loss(model(x), y)
+
+    return Variant(step)
+
+
+def allreduce(spec: Spec, workload: Workload, device: torch.device) -> Variant:
+    """One all-reduce of a flat fp32 buffer holding every gradient, as the link sees it."""
+    flat = torch.zeros(param_count(build_model(workload, device)), device=device)
+    nbytes = flat.numel() * flat.element_size()
+    return Variant(lambda batch: dist.all_reduce(flat), lambda: {"allreduce_bytes": [nbytes]})
+
+
+KINDS = {"local": local, "fddp": fddp_, "ddp": ddp, "forward": forward, "allreduce": allreduce}
+
+
+def build(spec: Spec, workload: Workload, device: torch.device) -> Variant:
+    return KINDS[spec.kind](spec, workload, device)
+
+
+# ---- one rank: interleaved timing, or one variant's memory ----------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What every rank of one launch does: time ``specs`` interleaved, or measure ``memory``."""
+
+    workload: str
+    specs: tuple[Spec, ...]
+    warmup: int
+    block: int
+    rounds: int  # timed blocks per variant
+    device: str
+    threads: int
+    memory: Spec | None = None
+    memory_steps: int = 5
+    batch: int | None = None  # rows per rank instead of each workload's own
+
+
+def _timed(variant: Variant, batch: Batch, device: torch.device) -> float:
+    start = time.perf_counter()
+    variant.step(batch)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def time_variants(job: Job, workload: Workload, device: torch.device) -> dict[str, Any]:
+    """Build every variant, then time them in interleaved blocks: A B C D, B C D A, ...
+
+    Every variant plays in every round, untimed ones first (warm-up), and each round starts one
+    variant later, so that neither how often nor where in a round a variant runs favours it.
+    """
+    batches = rank_batches(workload, dist.get_world_size(), dist.get_rank(), device)
+    specs, built, first_call = job.specs, {}, {}  # specs in block order
+    for spec in specs:
+        dist.barrier()
+        built[spec.name] = build(spec, workload, device)
+        first_call[spec.name] = _timed(built[spec.name], batches[0], device)
+    times: dict[str, list[float]] = {n: [] for n in built}
+    cpu: dict[str, float] = dict.fromkeys(built, 0.0)
+    warm = math.ceil(job.warmup / job.block)
+    for r in range(-warm, job.rounds):
+        for spec in specs[r % len(specs) :] + specs[: r % len(specs)]:
+            gc.collect()
+            dist.barrier()
+            cpu_start = time.process_time()
+            for i in range(job.block):
+                batch = batches[(r * job.block + i) % len(batches)]
+                step_s = _timed(built[spec.name], batch, device)
+                if r >= 0:
+                    times[spec.name].append(step_s)
+            if r >= 0:
+                cpu[spec.name] += time.process_time() - cpu_start
+    out = {
+        "params": param_count(workload.build()),
+        "per_rank": workload.per_rank,
+        "block": job.block,
+        "variants": {
+            n: {
+                **v.info(),
+                "first_call_s": first_call[n],
+                "times_s": [max(step) for step in zip(*_gather(times[n]))],  # the slowest rank
+                "rounds": list(range(job.rounds)),
+                # CPU seconds / wall seconds over the timed steps: under 1 when descheduled
+                "cpu_share": _gather(cpu[n] / max(sum(times[n]), 1e-9)),
+            }
+            for n, v in built.items()
+        },
+        "parity": _parity(built, {s.name: s for s in specs}),
+    }
+    del built
+    gc.collect()
+    return out
+
+
+def _gather(obj: Any) -> list[Any]:
+    """``obj`` from every rank, in rank order."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def _parity(built: dict[str, Variant], specs: dict[str, Spec]) -> dict[str, float]:
+    """Largest |difference| of each model's parameters from DDP's, after the same steps."""
+    ref = built["ddp"].parameters() if "ddp" in built else None
+    out = {}
+    for n, v in built.items():
+        params = v.parameters()
+        if ref is None or params is None or specs[n].kind == "local" or n == "ddp":
+            continue
+        out[n] = max((params[k] - ref[k]).abs().max().item() for k in ref)
+    return out
+
+
+def measure_memory(job: Job, workload: Workload, device: torch.device) -> dict[str, Any]:
+    """Peak memory of one variant alone: after its first call and warm-up, over a few steps."""
+    assert job.memory is not None
+    batches = rank_batches(workload, dist.get_world_size(), dist.get_rank(), device)
+    base = _read_status("VmRSS")
+    variant = build(job.memory, workload, device)
+    first = _timed(variant, batches[0], device)
+    for i in range(job.warmup):
+        _timed(variant, batches[(i + 1) % len(batches)], device)
+    dist.barrier()
+    gc.collect()  # a fresh peak: Linux resets VmHWM to the current RSS on clear_refs 5
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for i in range(job.memory_steps):
+        _timed(variant, batches[i % len(batches)], device)
+    out = {
+        "first_call_s": first,
+        "rss_base_bytes": base,
+        "rss_step_peak_bytes": _read_status("VmHWM"),
+        "rss_process_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "info": variant.info(),
+    }
+    if device.type == "cuda":
+        out["cuda_step_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+    return {"ranks": _gather(out)}
+
+
+def _read_status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _rank_main(rank: int, world: int, port: int, job: Job, out_path: str) -> None:
+    ranks.join_world(rank, world, port, job.threads)
+    device = torch.device("cuda", rank) if job.device == "cuda" else torch.device("cpu")
+    workload = WORKLOADS[job.workload]
+    if job.batch is not None:
+        workload = dataclasses.replace(workload, per_rank=job.batch)
+    run = time_variants if job.memory is None else measure_memory
+    result = run(job, workload, device)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def launch(job: Job, world: int) -> dict[str, Any]:
+    """Run ``job`` on ``world`` fresh processes; rank 0's results come back through a file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "result.json")
+        mp.spawn(_rank_main, args=(world, ranks.free_port(), job, path), nprocs=world, join=True)
+        with open(path) as f:
+            return json.load(f)
+
+
+# ---- regimes --------------------------------------------------------------------------------
+
+
+def _job(args: argparse.Namespace, workload: str, **kwargs: Any) -> Job:
+    return Job(
+        workload=workload,
+        warmup=args.warmup,
+        block=args.block,
+        device=args.device,
+        threads=args.threads,
+        batch=args.batch,
+        **kwargs,
+    )
+
+
 def run_regime(args: argparse.Namespace, regime: str) -> dict[str, Any]:
     """Time every workload in one launch of ranks per workload; returns raw per-step times."""
-    all_specs = specs(args)
+    every, rounds = variant_specs(args), math.ceil(args.steps / args.block)
     out = {}
     for name in args.workloads.split(","):
-        job = ranks.Job(
-            workloads=(name,),
-            specs={name: all_specs},
-            warmup=args.warmup,
-            block=args.block,
-            rounds=math.ceil(args.steps / args.block),
-            device=args.device,
-            threads=args.threads,
-            batch=args.batch,
-        )
         start = time.perf_counter()
-        with tempfile.TemporaryDirectory() as tmp:
-            out[name] = ranks.launch(job, args.world_size, os.path.join(tmp, "r.json"))[name]
+        out[name] = launch(_job(args, name, specs=every, rounds=rounds), args.world_size)
         out[name]["wall_s"] = time.perf_counter() - start
-        _progress(regime, name, out[name])
+        rows = report.variant_rows(out[name])
+        medians = ", ".join(f"{r['name']} {r['median_ms']:.1f}" for r in rows)
+        print(f"[{regime}] {name}: {medians}", flush=True)
     return {"workloads": out, "loadavg": os.getloadavg()}
-
-
-def _progress(regime: str, name: str, raw: dict[str, Any]) -> None:
-    rows = report.variant_rows(raw)
-    print(f"[{regime}] {name}: " + ", ".join(f"{r['name']} {r['median_ms']:.1f}" for r in rows))
-    sys.stdout.flush()
 
 
 def run_memory(args: argparse.Namespace) -> dict[str, Any]:
@@ -101,22 +447,9 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
     for name in args.workloads.split(","):
         out[name] = {}
         for spec in memory_specs:
-            job = ranks.Job(
-                workloads=(name,),
-                specs={},
-                warmup=args.warmup,
-                block=args.block,
-                rounds=0,
-                device=args.device,
-                threads=args.threads,
-                memory=spec,
-                memory_steps=args.memory_steps,
-                batch=args.batch,
-            )
-            with tempfile.TemporaryDirectory() as tmp:
-                raw = ranks.launch(job, args.world_size, os.path.join(tmp, "m.json"))
-            out[name][spec.name] = raw[name]
-            print(f"[memory] {name} {spec.name}: {report.memory_line(raw[name])}")
+            job = _job(args, name, specs=(), rounds=0, memory=spec, memory_steps=args.memory_steps)
+            out[name][spec.name] = launch(job, args.world_size)
+            print(f"[memory] {name} {spec.name}: {report.memory_line(out[name][spec.name])}")
     return out
 
 
@@ -141,18 +474,60 @@ def run_link(args: argparse.Namespace, argv: list[str]) -> dict[str, Any] | str:
     return result
 
 
+def machine(args: argparse.Namespace, started: datetime.datetime) -> dict[str, Any]:
+    """Versions, machine and configuration, recorded with every result."""
+    dirty = _git("status", "--porcelain", "--", "fddp")
+    return {
+        "date": started.isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "fddp": fddp.__version__,
+        "fddp_commit": _git("rev-parse", "--short", "HEAD"),
+        "fddp_uncommitted_files": len(dirty.splitlines()) if dirty != "unknown" else None,
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "backend": "nccl" if args.device == "cuda" else "gloo",
+        "world_size": args.world_size,
+        "threads_per_rank": args.threads,
+        "loadavg_start": os.getloadavg(),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _git(*args: str) -> str:
+    root = os.path.dirname(os.path.abspath(fddp.__file__))
+    try:
+        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return done.stdout.strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
-    if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
-        print(f"skipped: --device cuda needs {args.world_size} GPUs, found {_gpus()}")
+    gpus = torch.cuda.device_count()
+    if args.device == "cuda" and gpus < args.world_size:
+        print(f"skipped: --device cuda needs {args.world_size} GPUs, found {gpus}")
         return 0
     if args.regime_json:
         with open(args.regime_json, "w") as f:
             json.dump(run_regime(args, "link"), f)
         return 0
     started = datetime.datetime.now()
-    meta = report.machine(args, started)
+    meta = machine(args, started)
     regimes: dict[str, Any] = {}
     notes: list[str] = []
     if not args.no_loopback:
@@ -172,10 +547,6 @@ def main(argv: list[str] | None = None) -> int:
     print(report.headline(results))
     print("wrote " + ", ".join(paths))
     return 0
-
-
-def _gpus() -> int:
-    return torch.cuda.device_count()
 
 
 if __name__ == "__main__":

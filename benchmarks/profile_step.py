@@ -11,8 +11,8 @@ import ranks
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from compare_ddp import Spec, build
 from torch.profiler import ProfilerActivity, profile
-from variants import Spec, build
 from workloads import WORKLOADS, rank_batches
 
 COMM_MARKERS = ("all_reduce", "allreduce", "wait_tensor", "broadcast", "gloo", "c10d")

@@ -1,65 +1,19 @@
-"""Raw step times to medians, ratios, bounds; JSON, markdown, plots: python report.py X.json"""
+"""The report of compare_ddp.py: raw step times to medians, ratios, bounds; JSON, markdown, plots.
+
+To write a results file's report again (its summary recomputed, next to it)::
+
+    python benchmarks/report.py benchmarks/results/<stem>.json
+"""
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 from typing import Any
 
-import torch
-
-import fddp
-
 MIB = 2**20
-
-
-# ---- machine and versions -------------------------------------------------------------------
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _git(*args: str) -> str:
-    root = os.path.dirname(os.path.abspath(fddp.__file__))
-    try:
-        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return done.stdout.strip()
-
-
-def machine(args: Any, started: datetime.datetime) -> dict[str, Any]:
-    """Versions, machine and configuration, recorded with every result."""
-    dirty = _git("status", "--porcelain", "--", "fddp")
-    return {
-        "date": started.isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "fddp": fddp.__version__,
-        "fddp_commit": _git("rev-parse", "--short", "HEAD"),
-        "fddp_uncommitted_files": len(dirty.splitlines()) if dirty != "unknown" else None,
-        "python": platform.python_version(),
-        "kernel": platform.release(),
-        "cpu": _cpu_model(),
-        "cores": os.cpu_count(),
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "backend": "nccl" if args.device == "cuda" else "gloo",
-        "world_size": args.world_size,
-        "threads_per_rank": args.threads,
-        "loadavg_start": os.getloadavg(),
-    }
 
 
 # ---- statistics -----------------------------------------------------------------------------
@@ -88,11 +42,10 @@ def _bucket_of(name: str) -> float | None:
     return float(name.split("@")[1].split("+")[0]) if "@" in name else None
 
 
-def _best(rows: dict[str, dict], kind: str) -> tuple[str, float]:
+def _best(rows: dict[str, dict], kind: str) -> str:
     """The fastest non-compiled variant of ``kind`` over bucket sizes, its default included."""
     candidates = [r for n, r in rows.items() if n.split("@")[0] == kind and "compile" not in n]
-    best = min(candidates, key=lambda r: r["median_ms"])
-    return best["name"], best["median_ms"]
+    return min(candidates, key=lambda r: r["median_ms"])["name"]
 
 
 def _block_medians(raw: dict[str, Any], name: str) -> dict[int, float]:
@@ -147,7 +100,7 @@ def _sweep_table(raw: dict[str, Any], rows: dict[str, dict]) -> dict[str, dict[s
 def _workload_summary(raw: dict[str, Any]) -> dict[str, Any]:
     rows = {r["name"]: r for r in variant_rows(raw)}
     med = {n: r["median_ms"] for n, r in rows.items()}
-    best = {kind: _best(rows, kind)[0] for kind in ("ddp", "fddp")}
+    best = {kind: _best(rows, kind) for kind in ("ddp", "fddp")}
     comm = med["allreduce"]
     bound = max(med["local"], med["forward"] + comm)
     return {
@@ -185,16 +138,10 @@ def _memory_summary(raw: dict[str, Any]) -> dict[str, Any]:
             row["capture_s"] = ranks[0]["info"].get("capture_s")
             out[wl][name] = row
         if "fddp" in out[wl] and "ddp" in out[wl]:
-            fddp_row, ddp_row = out[wl]["fddp"], out[wl]["ddp"]
-            key = (
-                "cuda_step_peak_bytes"
-                if "cuda_step_peak_bytes" in ddp_row
-                else "rss_step_peak_bytes"
-            )
-            out[wl]["fddp/ddp"] = fddp_row[key] / ddp_row[key]
-            out[wl]["fddp/ddp above base"] = (
-                fddp_row["above_base_bytes"] / ddp_row["above_base_bytes"]
-            )
+            f, d = out[wl]["fddp"], out[wl]["ddp"]
+            key = "cuda_step_peak_bytes" if "cuda_step_peak_bytes" in d else "rss_step_peak_bytes"
+            out[wl]["fddp/ddp"] = f[key] / d[key]
+            out[wl]["fddp/ddp above base"] = f["above_base_bytes"] / d["above_base_bytes"]
     return out
 
 
@@ -274,9 +221,9 @@ def _regime_title(name: str, regime: dict[str, Any]) -> str:
 def headline(results: dict[str, Any]) -> str:
     """Per regime: medians in ms and the ratios, one row per workload."""
     parts = []
-    head = ["workload", "local", "fddp", "fddp best", "DDP", "DDP best", "fddp/DDP"]
-    head[2], head[4] = "fddp (default)", "DDP (default)"
-    head += ["fddp/DDP best", "fddp best/DDP best", "local/fddp", "lower bound", "fddp/bound"]
+    head = ["workload", "local", "fddp (default)", "fddp best", "DDP (default)", "DDP best"]
+    head += ["fddp/DDP", "fddp/DDP best", "fddp best/DDP best", "local/fddp", "lower bound"]
+    head += ["fddp/bound"]
     for name, regime in results["regimes"].items():
         rows = []
         for wl, s in regime["summary"].items():
@@ -412,9 +359,10 @@ def _sweep(results: dict[str, Any]) -> str:
 
 
 def _memory_table(mem: dict[str, Any]) -> str:
-    head = ["workload", "variant", "step peak", "above base", "base", "process peak"]
-    head = [f"{h} (MiB)" for h in head[2:]]
-    head = ["workload", "variant", *head, "first call s", "fddp/DDP (above base)"]
+    mib = ("step peak", "above base", "base", "process peak")
+    head = ["workload", "variant", *(f"{h} (MiB)" for h in mib)]
+    head += ["first call s", "fddp/DDP (above base)"]
+    keys = ("rss_step_peak_bytes", "above_base_bytes", "rss_base_bytes", "rss_process_peak_bytes")
     rows = []
     for wl, per in mem.items():
         for name, m in per.items():
@@ -423,16 +371,8 @@ def _memory_table(mem: dict[str, Any]) -> str:
             ratio = ""
             if name == "fddp" and "fddp/ddp" in per:
                 ratio = f"{per['fddp/ddp']:.2f} ({per['fddp/ddp above base']:.2f})"
-            mib = [
-                m[k] / MIB
-                for k in (
-                    "rss_step_peak_bytes",
-                    "above_base_bytes",
-                    "rss_base_bytes",
-                    "rss_process_peak_bytes",
-                )
-            ]
-            rows.append([wl, name, *(f"{x:.0f}" for x in mib), f"{m['first_call_s']:.2f}", ratio])
+            sizes = [f"{m[k] / MIB:.0f}" for k in keys]
+            rows.append([wl, name, *sizes, f"{m['first_call_s']:.2f}", ratio])
     if not rows:
         return "(memory not measured: --no-memory)"
     return (
@@ -560,12 +500,18 @@ def _notes(results: dict[str, Any]) -> list[str]:
 PLOT_VARIANTS = ("local", "fddp", "ddp", "ddp best", "fddp+compile", "ddp+compile")
 
 
-def _plot_compare(results: dict[str, Any], path: str) -> None:
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, imported only when a plot is drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _plot_compare(results: dict[str, Any], path: str) -> None:
+    plt = _pyplot()
     regimes = list(results["regimes"].items())
     workloads = list(regimes[0][1]["summary"])
     fig, axes = plt.subplots(
@@ -603,15 +549,11 @@ def _plot_compare(results: dict[str, Any], path: str) -> None:
 
 
 def _plot_sweep(results: dict[str, Any], path: str) -> bool:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    regimes = list(results["regimes"].items())
-    workloads = list(regimes[0][1]["summary"])
     if not results["config"]["sweep"]:
         return False
+    plt = _pyplot()
+    regimes = list(results["regimes"].items())
+    workloads = list(regimes[0][1]["summary"])
     fig, axes = plt.subplots(1, len(workloads), squeeze=False, figsize=(4.2 * len(workloads), 3.4))
     styles = {"loopback": "-", "link": "--"}
     for j, wl in enumerate(workloads):

@@ -1,4 +1,5 @@
-"""The benchmark workloads: an MLP, a small GPT and a ResNet-style CNN, with data and loss."""
+"""The benchmark workloads: an MLP, a small GPT, a ResNet-style CNN, an LSTM language model and
+a ResNet-18, with data and loss."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import nn
 SEED = 0
 DATA_SEED = 1234
 N_BATCHES = 4
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,10 +22,10 @@ class Workload:
 
     name: str
     build: Callable[[], nn.Module]
-    make_batch: Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    make_batch: Callable[[int, torch.Generator], Batch]
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     per_rank: int
-    has_buffers: bool
+    has_buffers: bool = False  # BatchNorm running statistics
 
 
 def _mlp() -> nn.Module:
@@ -34,7 +36,7 @@ def _mlp() -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def _mlp_batch(rows: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _mlp_batch(rows: int, gen: torch.Generator) -> Batch:
     return torch.randn(rows, 1024, generator=gen), torch.randint(0, 10, (rows,), generator=gen)
 
 
@@ -83,12 +85,17 @@ def _gpt() -> nn.Module:
     return GPT(GPT_VOCAB, GPT_SEQ, dim=256, heads=4, layers=10)
 
 
-def _gpt_batch(rows: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.randint(0, GPT_VOCAB, (rows, GPT_SEQ + 1), generator=gen)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+def _token_batches(vocab: int, seq: int) -> Callable[[int, torch.Generator], Batch]:
+    """Random token sequences; the target is the input shifted by one."""
+
+    def make(rows: int, gen: torch.Generator) -> Batch:
+        tokens = torch.randint(0, vocab, (rows, seq + 1), generator=gen)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    return make
 
 
-def _gpt_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def _token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
@@ -112,26 +119,71 @@ class _Basic(nn.Module):
         return F.relu(self.bn2(self.conv2(y)) + self.short(x))
 
 
-def _cnn() -> nn.Module:
-    widths = (32, 64, 128, 256)
-    layers: list[nn.Module] = [nn.Conv2d(3, widths[0], 3, 1, 1, bias=False)]
-    layers += [nn.BatchNorm2d(widths[0]), nn.ReLU()]
-    cin = widths[0]
+def _resnet(stem: list[nn.Module], widths: tuple[int, ...], classes: int) -> nn.Module:
+    """``stem``, then a stage of two basic blocks per width (all but the first halve the size),
+    global average pooling and a linear head."""
+    layers, cin = list(stem), widths[0]
     for i, w in enumerate(widths):
         layers += [_Basic(cin, w, 1 if i == 0 else 2), _Basic(w, w, 1)]
         cin = w
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, 10)]
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
     return nn.Sequential(*layers)
 
 
-def _cnn_batch(rows: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.randn(rows, 3, 32, 32, generator=gen), torch.randint(0, 10, (rows,), generator=gen)
+def _cnn() -> nn.Module:
+    stem = [nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU()]
+    return _resnet(stem, (32, 64, 128, 256), classes=10)
+
+
+def _images(size: int, classes: int) -> Callable[[int, torch.Generator], Batch]:
+    """Random ``size`` x ``size`` RGB images with random labels."""
+
+    def make(rows: int, gen: torch.Generator) -> Batch:
+        x = torch.randn(rows, 3, size, size, generator=gen)
+        return x, torch.randint(0, classes, (rows,), generator=gen)
+
+    return make
+
+
+class LSTMLM(nn.Module):
+    """A word-level language model: embedding, a stacked LSTM, a linear head."""
+
+    def __init__(self, vocab: int, dim: int, layers: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.lstm = nn.LSTM(dim, dim, layers, batch_first=True)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(self.tok(idx))
+        return self.head(out)
+
+
+LSTM_VOCAB, LSTM_SEQ = 1024, 32
+
+
+def _lstm() -> nn.Module:
+    return LSTMLM(LSTM_VOCAB, dim=128, layers=2)
+
+
+def _resnet18() -> nn.Module:
+    """torchvision's resnet18 layout (7x7 stem, max pool, basic blocks [2, 2, 2, 2] of 64 to
+    512 channels, 1000 classes), built here because torchvision does not import with CPU torch."""
+    stem = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU()]
+    return _resnet([*stem, nn.MaxPool2d(3, 2, 1)], (64, 128, 256, 512), classes=1000)
 
 
 WORKLOADS = {
-    "mlp": Workload("mlp", _mlp, _mlp_batch, F.cross_entropy, per_rank=64, has_buffers=False),
-    "gpt": Workload("gpt", _gpt, _gpt_batch, _gpt_loss, per_rank=8, has_buffers=False),
-    "cnn": Workload("cnn", _cnn, _cnn_batch, F.cross_entropy, per_rank=16, has_buffers=True),
+    w.name: w
+    for w in (
+        Workload("mlp", _mlp, _mlp_batch, F.cross_entropy, per_rank=64),
+        Workload("gpt", _gpt, _token_batches(GPT_VOCAB, GPT_SEQ), _token_loss, per_rank=8),
+        Workload("cnn", _cnn, _images(32, 10), F.cross_entropy, per_rank=16, has_buffers=True),
+        Workload("lstm", _lstm, _token_batches(LSTM_VOCAB, LSTM_SEQ), _token_loss, per_rank=8),
+        Workload(
+            "resnet18", _resnet18, _images(64, 1000), F.cross_entropy, per_rank=8, has_buffers=True
+        ),
+    )
 }
 
 
@@ -141,9 +193,7 @@ def build_model(workload: Workload, device: torch.device) -> nn.Module:
     return workload.build().to(device).train()
 
 
-def rank_batches(
-    workload: Workload, world: int, rank: int, device: torch.device
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def rank_batches(workload: Workload, world: int, rank: int, device: torch.device) -> list[Batch]:
     """This rank's share of ``N_BATCHES`` fixed global batches; every variant trains on these."""
     gen = torch.Generator().manual_seed(DATA_SEED)
     out = []
