@@ -3,9 +3,9 @@
 A small ResNet with BatchNorm trained with fddp.data_parallel on scikit-learn's digits (1,797
 8x8 handwritten digits shipped inside the package, no download). BatchNorm's running statistics
 are state the step returns: each rank computes them on its shard, and the step averages them
-across replicas (``fddp.sync_buffers(buffers, "mean")``), so all replicas keep the same buffers
+across replicas (``fddp.nn.sync_buffers(buffers, "mean")``), so all replicas keep the same buffers
 (DDP instead copies rank 0's buffers to every rank before each forward, which is
-``fddp.sync_buffers(buffers, "broadcast")``). Evaluation runs the network in ``eval()`` mode,
+``fddp.nn.sync_buffers(buffers, "broadcast")``). Evaluation runs the network in ``eval()`` mode,
 with those running statistics.
 """
 
@@ -126,7 +126,7 @@ def main() -> None:
         grads = fddp.pmean(grads)
         updates, opt_state = opt.update(grads, opt_state, params)
         params = optim.apply_updates(params, updates)
-        return params, opt_state, fddp.sync_buffers(buffers, "mean"), fddp.pmean(loss)
+        return params, opt_state, fddp.nn.sync_buffers(buffers, "mean"), fddp.pmean(loss)
 
     step = fddp.data_parallel(
         train_step, bucket_cap_mb=args.bucket_mb, donate_argnums=(0, 1, 2), compile=args.compile
