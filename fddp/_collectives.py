@@ -9,6 +9,7 @@ into flat buckets. Under ``fddp.vmap`` the same calls reduce over the mapped dim
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any
 
 import optree
@@ -112,7 +113,7 @@ class ProcessAxis:
                     _AllGather.apply(part, self.group_name, self.group_size, self.group_rank)
                 )
             else:
-                out.append(_gather(part, self.group_name, self.group_size))
+                out.append(gather_rows(part, self.group_name, self.group_size))
         return out
 
     def psum_scatter(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -133,10 +134,18 @@ class ProcessAxis:
         )
 
 
-def _gather(x: torch.Tensor, group_name: GroupName, size: int) -> torch.Tensor:
+def gather_rows(x: torch.Tensor, group_name: GroupName, size: int) -> torch.Tensor:
+    """Concatenate ``x`` (at least 1-d) from every rank along dim 0."""
     if size == 1:
         return x.clone()
-    return funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), 0, group_name))
+    x = x.contiguous()
+    if _is_gloo(group_name):
+        # Gloo's all-gather (AsyncAllgatherCoalescedWork) corrupts the heap when two run at once
+        # on its two worker threads, as a scheduled step's overlapped buckets do (torch 2.13):
+        # send every rank a copy of x through the all-to-all instead, the same bytes on the wire.
+        copies = x.unsqueeze(0).expand(size, *x.shape).reshape(size * x.shape[0], *x.shape[1:])
+        return funcol.wait_tensor(funcol.all_to_all_single(copies, None, None, group_name))
+    return funcol.wait_tensor(funcol.all_gather_single(x, 0, group_name))
 
 
 class _AllGather(torch.autograd.Function):
@@ -144,7 +153,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, group_name: GroupName, size: int, rank: int) -> torch.Tensor:
-        return _gather(x, group_name, size)
+        return gather_rows(x, group_name, size)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -161,7 +170,21 @@ class _AllGather(torch.autograd.Function):
 def _reduce_scatter(x: torch.Tensor, group_name: GroupName, size: int) -> torch.Tensor:
     if size == 1:
         return x.clone()
-    return funcol.wait_tensor(funcol.reduce_scatter_single(x.contiguous(), "sum", 0, group_name))
+    x = x.contiguous()
+    if _is_gloo(group_name):
+        # Gloo's reduce-scatter costs 1.2-1.4x its all-reduce of the same tensor on loopback
+        # (2 ranks, 1-16 MiB); its all-to-all moves the bytes a ring reduce-scatter does and,
+        # with the local sum, costs 0.85-0.95x the all-reduce (benchmarks/collectives.py).
+        with fx_traceback.annotate({AXIS_INDEX_META: True}):  # each rank's own blocks
+            blocks = funcol.wait_tensor(funcol.all_to_all_single(x, None, None, group_name))
+        return blocks.view(size, -1, *x.shape[1:]).sum(0)
+    return funcol.wait_tensor(funcol.reduce_scatter_single(x, "sum", 0, group_name))
+
+
+@functools.cache
+def _is_gloo(group_name: GroupName) -> bool:
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    return dist.get_backend(group) == "gloo"
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -177,7 +200,7 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _gather(grad, ctx.group_name, ctx.size), None, None
+        return gather_rows(grad, ctx.group_name, ctx.size), None, None
 
 
 def process_axis(

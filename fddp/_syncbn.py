@@ -13,7 +13,7 @@ from torch import nn
 
 from fddp import _axes
 from fddp._axes import DEFAULT_AXIS
-from fddp._collectives import ProcessAxis, all_gather, broadcast, pmean
+from fddp._collectives import ProcessAxis, all_gather, broadcast, gather_rows, pmean
 from fddp._tree import tensor_leaves
 
 if TYPE_CHECKING:
@@ -31,9 +31,7 @@ class _GatherRows(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, group_name: GroupName, size: int, rank: int) -> torch.Tensor:
-        if size == 1:
-            return x.unsqueeze(0).clone()
-        return funcol.wait_tensor(funcol.all_gather_single(x.unsqueeze(0), 0, group_name))
+        return gather_rows(x.unsqueeze(0), group_name, size)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:

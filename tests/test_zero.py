@@ -242,9 +242,17 @@ def _train(group, setup, opt, sharded, *, steps, start=None, save_at=None, trace
             fddp.save_sharded(save_at[0], {"params": params, "opt": state}, group=group)
         params, state, _ = step(params, state, rows(i))
     if trace and sharded:  # the replication analysis: the state is per rank, params are not
-        how = dict(step.schedule(params, state, rows(0)).replication)
+        plan = step.schedule(params, state, rows(0))
+        how = dict(plan.replication)
         per_rank = {k for k, v in how.items() if v != "replicated"}
         assert len(per_rank) > 1 and all(k.startswith("[1]") for k in per_rank), how
+        # gloo's own all-gather corrupts the heap when two overlap (torch 2.13), and its
+        # reduce-scatter is slower than its all-reduce: both go through all_to_all_single
+        kinds = {c.kind for c in plan.collectives}
+        assert "all_to_all_single" in kinds and not kinds & {
+            "all_gather_into_tensor",
+            "reduce_scatter_tensor",
+        }, kinds
     return params, state
 
 
