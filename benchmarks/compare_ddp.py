@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from workloads import WORKLOADS, Workload, build_model, param_count, rank_batches
 
@@ -58,6 +59,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--link", metavar="RATE", help="also run behind a tbf-shaped link, e.g. 5gbit")
     p.add_argument("--no-loopback", action="store_true", help="skip the loopback regime")
     p.add_argument("--compile", action="store_true", help="also DDP+torch.compile vs compile=True")
+    p.add_argument(
+        "--zero", action="store_true", help="also sharded optimizer state: shard_state vs ZeRO"
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the per-variant memory runs")
     p.add_argument("--memory-steps", type=int, default=5)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -81,11 +85,13 @@ class Spec:
     bucket_mb: float | None = None
     compile: bool = False
     donate: bool = True
+    zero: bool = False  # optimizer state sharded: shard_state / ZeroRedundancyOptimizer
 
     @property
     def name(self) -> str:
         name = self.kind + ("" if self.bucket_mb is None else f"@{self.bucket_mb:g}")
-        return name + ("" if self.donate else "-nodonate") + ("+compile" if self.compile else "")
+        name += "" if self.donate else "-nodonate"
+        return name + ("+compile" if self.compile else "") + ("+zero" if self.zero else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +113,8 @@ def variant_specs(args: argparse.Namespace) -> tuple[Spec, ...]:
     main += [Spec("local"), Spec("forward"), Spec("allreduce")]
     if args.compile:
         main += [Spec("fddp", compile=True), Spec("ddp", compile=True)]
+    if args.zero:
+        main += [Spec("fddp", zero=True), Spec("ddp", zero=True)]
     sweep = []
     if args.sweep:
         sizes = [float(s) for s in args.sweep_mb.split(",")]
@@ -117,8 +125,19 @@ def variant_specs(args: argparse.Namespace) -> tuple[Spec, ...]:
     return (*main, *sweep)
 
 
-def _adamw(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
+def _adamw(model: nn.Module, zero: bool = False) -> torch.optim.Optimizer:
+    kwargs = {"lr": LR, "weight_decay": WEIGHT_DECAY, "foreach": True}
+    if zero:
+        return ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.AdamW, **kwargs
+        )
+    return torch.optim.AdamW(model.parameters(), **kwargs)
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state this rank holds (ZeroRedundancyOptimizer: its shard)."""
+    inner = opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
+    return optim.state_bytes([list(s.values()) for s in inner.state.values()])
 
 
 def _named(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -142,7 +161,8 @@ def local(spec: Spec, workload: Workload, device: torch.device) -> Variant:
 
 
 def ddp(spec: Spec, workload: Workload, device: torch.device) -> Variant:
-    """``DistributedDataParallel`` (its defaults unless a bucket size is given), AdamW foreach."""
+    """``DistributedDataParallel`` (its defaults unless a bucket size is given), AdamW foreach;
+    with ``zero``, AdamW inside ``ZeroRedundancyOptimizer``."""
     kwargs: dict[str, Any] = {}
     if spec.bucket_mb is not None:
         kwargs["bucket_cap_mb"] = spec.bucket_mb
@@ -150,27 +170,32 @@ def ddp(spec: Spec, workload: Workload, device: torch.device) -> Variant:
         kwargs["device_ids"] = [device.index]
     module = DistributedDataParallel(build_model(workload, device), **kwargs)
     model = torch.compile(module) if spec.compile else module
+    opt = _adamw(module, spec.zero)
 
     def info() -> dict[str, Any]:
         data = module._get_ddp_logging_data()
         sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes", "")
-        return {"allreduce_bytes": [int(s) for s in str(sizes).split(",") if s.strip()]}
+        return {
+            "allreduce_bytes": [int(s) for s in str(sizes).split(",") if s.strip()],
+            "state_bytes": _state_bytes(opt),
+        }
 
-    step = _eager_step(model, _adamw(module), workload)
+    step = _eager_step(model, opt, workload)
     return Variant(step, info, parameters=lambda: _named(module))
 
 
 def fddp_(spec: Spec, workload: Workload, device: torch.device) -> Variant:
     """``fddp.data_parallel`` over a pure step, params and optimizer state donated; its own
-    default bucket size unless one is given."""
+    default bucket size unless one is given; with ``zero``, AdamW inside ``shard_state``."""
     model = build_model(workload, device)
     params, buffers = fddp.state(model)
     params = fddp.replicate(params)
     opt = optim.adamw(lr=LR, weight_decay=WEIGHT_DECAY)
+    opt = optim.shard_state(opt) if spec.zero else opt
     state = [params, opt.init(params), buffers]
     kwargs: dict[str, Any] = {} if spec.bucket_mb is None else {"bucket_cap_mb": spec.bucket_mb}
     pstep = fddp.data_parallel(
-        _pure_step(model, workload, opt),
+        _pure_step(model, workload, opt, average_grads=not spec.zero),
         compile=spec.compile,
         donate_argnums=(0, 1) if spec.donate else (),
         **kwargs,
@@ -196,14 +221,18 @@ def fddp_(spec: Spec, workload: Workload, device: torch.device) -> Variant:
             "capture_s": plan.capture_seconds,
             "first_call_s": seen["first_call_s"],
             "retraces": pstep.retraces,
+            "state_bytes": optim.state_bytes(state[1]),
             "plan": str(plan),
         }
 
     return Variant(step, info, parameters=lambda: dict(state[0]))
 
 
-def _pure_step(model: nn.Module, workload: Workload, opt: optim.GradientTransformation) -> Callable:
-    """The pure step; BatchNorm buffers start from rank 0's values, as DDP broadcasts them."""
+def _pure_step(
+    model: nn.Module, workload: Workload, opt: optim.GradientTransformation, average_grads: bool
+) -> Callable:
+    """The pure step; BatchNorm buffers start from rank 0's values, as DDP broadcasts them.
+    ``average_grads=False`` for ``shard_state``, which reduce-scatters the gradients itself."""
     apply = fddp.functional(model, return_buffers=workload.has_buffers)
 
     def loss_fn(params: dict, buffers: dict, batch: Batch) -> torch.Tensor:
@@ -223,7 +252,7 @@ def _pure_step(model: nn.Module, workload: Workload, opt: optim.GradientTransfor
             )
         else:
             loss, grads = fddp.value_and_grad(loss_fn)(params, buffers, batch)
-        grads = fddp.pmean(grads)
+        grads = fddp.pmean(grads) if average_grads else grads
         updates, opt_state = opt.update(grads, opt_state, params)
         return optim.apply_updates(params, updates), opt_state, buffers, fddp.pmean(loss)
 
@@ -309,13 +338,16 @@ def time_variants(job: Job, workload: Workload, device: torch.device) -> dict[st
                     times[spec.name].append(step_s)
             if r >= 0:
                 cpu[spec.name] += time.process_time() - cpu_start
+    infos = {n: v.info() for n, v in built.items()}
+    for info in infos.values():  # optimizer state differs between ranks when it is sharded
+        info["state_bytes"] = _gather(info.get("state_bytes"))
     out = {
         "params": param_count(workload.build()),
         "per_rank": workload.per_rank,
         "block": job.block,
         "variants": {
             n: {
-                **v.info(),
+                **infos[n],
                 "first_call_s": first_call[n],
                 "times_s": [max(step) for step in zip(*_gather(times[n]))],  # the slowest rank
                 "rounds": list(range(job.rounds)),

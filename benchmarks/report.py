@@ -70,6 +70,8 @@ def _ratios(raw: dict[str, Any], med: dict[str, float], best: dict[str, str], bo
         "fddp_best/ddp_best": (best["fddp"], best["ddp"]),
         "local/fddp": ("local", "fddp"),
         "fddp+compile/ddp+compile": ("fddp+compile", "ddp+compile"),
+        "fddp+zero/fddp": ("fddp+zero", "fddp"),
+        "fddp+zero/ddp+zero": ("fddp+zero", "ddp+zero"),
     }
     out: dict[str, float] = {}
     for key, (a, b) in pairs.items():
@@ -247,9 +249,7 @@ def headline(results: dict[str, Any]) -> str:
             )
         title = f"**{_regime_title(name, regime)}** — median ms per step, ratios of medians"
         parts.append(title + "\n\n" + _table(head, rows))
-        compiled = _compile_table(regime)
-        if compiled:
-            parts.append(compiled)
+        parts += [t for t in (_compile_table(regime), _zero_table(regime)) if t]
     return "\n\n".join(parts)
 
 
@@ -271,6 +271,30 @@ def _compile_table(regime: dict[str, Any]) -> str:
             ]
         )
     return "With Inductor, median ms per step\n\n" + _table(head, rows) if rows else ""
+
+
+def _zero_table(regime: dict[str, Any]) -> str:
+    head = ["workload", "fddp", "fddp + shard_state", "ratio", "DDP + ZeroRedundancyOptimizer"]
+    head += ["fddp+zero/DDP+zero", "optimizer state per rank, MB: fddp / +zero / DDP / +zero"]
+    rows = []
+    for wl, s in regime["summary"].items():
+        r, q = s["rows"], s["ratios"]
+        if "fddp+zero" not in r or "ddp+zero" not in r:
+            continue
+        state = [r[n]["state_bytes"] for n in ("fddp", "fddp+zero", "ddp", "ddp+zero")]
+        rows.append(
+            [
+                wl,
+                f"{r['fddp']['median_ms']:.1f}",
+                f"{r['fddp+zero']['median_ms']:.1f}",
+                f"{q['fddp+zero/fddp']:.2f} (paired {q['fddp+zero/fddp (paired)']:.2f})",
+                f"{r['ddp+zero']['median_ms']:.1f}",
+                f"{q['fddp+zero/ddp+zero']:.2f}",
+                " / ".join(", ".join(f"{b / 1e6:.1f}" for b in per_rank) for per_rank in state),
+            ]
+        )
+    title = "Sharded optimizer state (ZeRO-1), median ms per step"
+    return title + "\n\n" + _table(head, rows) if rows else ""
 
 
 def _mb_label(name: str) -> str:
@@ -443,6 +467,7 @@ def _command(cfg: dict[str, Any]) -> str:
     flags += ["--sweep"] if cfg["sweep"] else []
     flags += [f"--link {cfg['link']}"] if cfg["link"] else []
     flags += ["--compile"] if cfg["compile"] else []
+    flags += ["--zero"] if cfg.get("zero") else []
     flags += ["--no-loopback"] if cfg["no_loopback"] else []
     return "python benchmarks/compare_ddp.py " + " ".join(flags)
 

@@ -26,7 +26,7 @@ def _ok(done: subprocess.CompletedProcess) -> None:
 @pytest.mark.timeout(660)
 def test_compare_ddp_smoke(tmp_path):
     """Every workload and variant in the loopback regime, with small batches to keep it short."""
-    _ok(_run("--batch", "2", "--no-memory", out=str(tmp_path)))
+    _ok(_run("--batch", "2", "--no-memory", "--zero", out=str(tmp_path)))
     files = sorted(os.listdir(tmp_path))
     assert any(f.endswith(".md") for f in files), files
     assert any(f.endswith("_compare.png") for f in files), files
@@ -36,7 +36,12 @@ def test_compare_ddp_smoke(tmp_path):
     summary = results["regimes"]["loopback"]["summary"]
     assert set(summary) == {"mlp", "gpt", "cnn"}
     for s in summary.values():
-        assert {"fddp", "ddp", "local", "forward", "allreduce"} <= set(s["rows"])
+        assert {"fddp", "ddp", "local", "forward", "allreduce", "fddp+zero", "ddp+zero"} <= set(
+            s["rows"]
+        )
+        for sharded, full in (("fddp+zero", "fddp"), ("ddp+zero", "ddp")):  # AdamW over 2 ranks
+            state = s["rows"][sharded]["state_bytes"], s["rows"][full]["state_bytes"]
+            assert all(z < f / 2 * 1.05 for z, f in zip(*state)), (sharded, state)
         assert all(r["n"] == 2 for r in s["rows"].values())
         assert s["rows"]["fddp"]["allreduce_bytes"] and s["rows"]["ddp"]["allreduce_bytes"]
         assert all(diff < 5e-2 for diff in s["parity"].values()), s["parity"]  # Adam: ~lr per step
