@@ -215,13 +215,15 @@ def _gpt_setup():
     return params, loss_fn, lambda step, rows: token_batch(step, rows)
 
 
-def _train(group, setup, opt, sharded, *, steps, start=None, save_at=None, trace=False):
+def _train(
+    group, setup, opt, sharded, *, steps, start=None, save_at=None, trace=False, compile=False
+):
     """Steps on this group's ranks, each on its rows of one 12-row global batch."""
     params, loss_fn, data = setup()
     n, r = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
     opt = optim.shard_state(opt, bucket_cap_mb=TINY_BUCKETS) if sharded else opt
 
-    @functools.partial(fddp.data_parallel, group=group, trace=trace)
+    @functools.partial(fddp.data_parallel, group=group, trace=trace, compile=compile)
     def step(p, s, batch):
         loss, g = fddp.value_and_grad(loss_fn)(p, batch)
         u, s = opt.update(g if sharded else fddp.pmean(g), s, p)
@@ -333,3 +335,16 @@ def test_on_two_and_three_gloo_ranks(tmp_path):
                 assert value < TOL, (rank, key, value)
     assert "3->2" in results[0] and "2->3" in results[2]
     print({k: v for k, v in results[0].items()})
+
+
+def _compiled_on_two_ranks():
+    group, opt = torch.distributed.group.WORLD, _optimizers()["clip_adamw"]
+    want, _ = _train(group, _mlp_setup, opt, False, steps=10)
+    got, _ = _train(group, _mlp_setup, opt, True, steps=10, trace=True, compile=True)
+    return _max_diff(want, got)
+
+
+def test_compile_true_with_sharded_state_on_two_gloo_ranks():
+    """Inductor runs the scheduled sharded step (all-to-alls included) to the unsharded result."""
+    for diff in run_ranks(_compiled_on_two_ranks, 2, timeout=240):
+        assert diff < TOL, diff
