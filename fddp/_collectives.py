@@ -9,7 +9,6 @@ into flat buckets. Under ``fddp.vmap`` the same calls reduce over the mapped dim
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import TYPE_CHECKING, Any
 
 import optree
@@ -89,6 +88,8 @@ class ProcessAxis:
     group_size: int
     group_rank: int
     traced: bool = False
+    # Gloo's own all-gather and reduce-scatter are swapped for all-to-alls (see gather_rows).
+    gloo: bool = False
 
     def size(self) -> int:
         return self.group_size
@@ -110,10 +111,12 @@ class ProcessAxis:
             part = x if tiled else x.unsqueeze(0)
             if x.requires_grad:
                 out.append(
-                    _AllGather.apply(part, self.group_name, self.group_size, self.group_rank)
+                    _AllGather.apply(
+                        part, self.group_name, self.group_size, self.group_rank, self.gloo
+                    )
                 )
             else:
-                out.append(gather_rows(part, self.group_name, self.group_size))
+                out.append(gather_rows(part, self.group_name, self.group_size, self.gloo))
         return out
 
     def psum_scatter(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -121,9 +124,9 @@ class ProcessAxis:
         out = []
         for x in leaves:
             if x.requires_grad:
-                out.append(_ReduceScatter.apply(x, self.group_name, self.group_size))
+                out.append(_ReduceScatter.apply(x, self.group_name, self.group_size, self.gloo))
             else:
-                out.append(_reduce_scatter(x, self.group_name, self.group_size))
+                out.append(_reduce_scatter(x, self.group_name, self.group_size, self.gloo))
         return out
 
     def broadcast(self, leaves: list[torch.Tensor], src: int) -> list[torch.Tensor]:
@@ -134,12 +137,12 @@ class ProcessAxis:
         )
 
 
-def gather_rows(x: torch.Tensor, group_name: GroupName, size: int) -> torch.Tensor:
+def gather_rows(x: torch.Tensor, group_name: GroupName, size: int, gloo: bool) -> torch.Tensor:
     """Concatenate ``x`` (at least 1-d) from every rank along dim 0."""
     if size == 1:
         return x.clone()
     x = x.contiguous()
-    if _is_gloo(group_name):
+    if gloo:
         # Gloo's all-gather (AsyncAllgatherCoalescedWork) corrupts the heap when two run at once
         # on its two worker threads, as a scheduled step's overlapped buckets do (torch 2.13):
         # send every rank a copy of x through the all-to-all instead, the same bytes on the wire.
@@ -152,8 +155,10 @@ class _AllGather(torch.autograd.Function):
     """Concatenate along dim 0 over ranks; the vjp sums cotangents, keeps this rank's rows."""
 
     @staticmethod
-    def forward(x: torch.Tensor, group_name: GroupName, size: int, rank: int) -> torch.Tensor:
-        return gather_rows(x, group_name, size)
+    def forward(
+        x: torch.Tensor, group_name: GroupName, size: int, rank: int, gloo: bool
+    ) -> torch.Tensor:
+        return gather_rows(x, group_name, size, gloo)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -161,17 +166,17 @@ class _AllGather(torch.autograd.Function):
         ctx.rows = inputs[0].shape[0]
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         # the rank comes in as an argument: Dynamo cannot trace a group lookup in backward
         total = _AllReduceSum.apply(grad.contiguous(), ctx.group_name)
-        return total.narrow(0, ctx.rank * ctx.rows, ctx.rows), None, None, None
+        return total.narrow(0, ctx.rank * ctx.rows, ctx.rows), None, None, None, None
 
 
-def _reduce_scatter(x: torch.Tensor, group_name: GroupName, size: int) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, group_name: GroupName, size: int, gloo: bool) -> torch.Tensor:
     if size == 1:
         return x.clone()
     x = x.contiguous()
-    if _is_gloo(group_name):
+    if gloo:
         # Gloo's reduce-scatter costs 1.2-1.4x its all-reduce of the same tensor on loopback
         # (2 ranks, 1-16 MiB); its all-to-all moves the bytes a ring reduce-scatter does and,
         # with the local sum, costs 0.85-0.95x the all-reduce (benchmarks/collectives.py).
@@ -181,26 +186,20 @@ def _reduce_scatter(x: torch.Tensor, group_name: GroupName, size: int) -> torch.
     return funcol.wait_tensor(funcol.reduce_scatter_single(x, "sum", 0, group_name))
 
 
-@functools.cache
-def _is_gloo(group_name: GroupName) -> bool:
-    group = dist.distributed_c10d._resolve_process_group(group_name)
-    return dist.get_backend(group) == "gloo"
-
-
 class _ReduceScatter(torch.autograd.Function):
     """Sum over ranks, keep this rank's rows; the vjp gathers the cotangents' rows back."""
 
     @staticmethod
-    def forward(x: torch.Tensor, group_name: GroupName, size: int) -> torch.Tensor:
-        return _reduce_scatter(x, group_name, size)
+    def forward(x: torch.Tensor, group_name: GroupName, size: int, gloo: bool) -> torch.Tensor:
+        return _reduce_scatter(x, group_name, size, gloo)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.group_name, ctx.size = inputs[1], inputs[2]
+        ctx.group_name, ctx.size, ctx.gloo = inputs[1], inputs[2], inputs[3]
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return gather_rows(grad, ctx.group_name, ctx.size), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return gather_rows(grad, ctx.group_name, ctx.size, ctx.gloo), None, None, None
 
 
 def process_axis(
@@ -215,7 +214,8 @@ def process_axis(
     group = group if group is not None else dist.group.WORLD
     assert group is not None  # ensure_group() made the default group
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    return ProcessAxis(name, group.group_name, size, rank, traced)
+    gloo = dist.get_backend(group) == "gloo"
+    return ProcessAxis(name, group.group_name, size, rank, traced, gloo)
 
 
 def default_process_axis() -> ProcessAxis:

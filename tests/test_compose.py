@@ -74,3 +74,40 @@ def test_fddp_grad_optim_and_pmean_inside_a_users_fullgraph_compile_equal_eager(
     compiled = torch.compile(f, fullgraph=True)(params, opt.init(params), x)
     torch.testing.assert_close(compiled[2], eager[2])
     torch.testing.assert_close(compiled[0]["w"], eager[0]["w"])
+
+
+def _scatter_gather_and_sync_bn_compiled():
+    from fddp.nn import sync_batch_norm
+
+    rank = torch.distributed.get_rank()
+
+    def collectives(x):
+        return fddp.all_gather(fddp.psum_scatter(x, tiled=True), tiled=True)
+
+    def bn_loss(w, b, x):
+        return sync_batch_norm(x, None, None, w, b, training=True)[0].pow(3).sum()
+
+    x = torch.arange(8.0) * (rank + 1)
+    bn_grad = torch.func.grad(bn_loss, argnums=(0, 1))
+    w, b, images = (
+        torch.ones(3),
+        torch.zeros(3),
+        torch.randn(4, 3, 5, generator=torch.Generator().manual_seed(rank)),
+    )
+    return (
+        collectives(x),
+        torch.compile(collectives, fullgraph=True)(x),
+        bn_grad(w, b, images),
+        torch.compile(bn_grad, fullgraph=True)(w, b, images),
+    )
+
+
+def test_scatter_gather_and_sync_batch_norm_inside_a_users_fullgraph_compile_on_two_ranks():
+    """On gloo these collectives are all-to-alls chosen from the axis, not from a group lookup
+    Dynamo cannot trace."""
+    for eager, compiled, bn_eager, bn_compiled in run_ranks(
+        _scatter_gather_and_sync_bn_compiled, 2, timeout=180
+    ):
+        assert torch.equal(eager, 3 * torch.arange(8.0)) and torch.equal(compiled, eager)
+        for want, got in zip(bn_eager, bn_compiled):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
