@@ -3,53 +3,18 @@
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import optree
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
-from fddp import _axes
 from fddp._axes import DEFAULT_AXIS
-from fddp._collectives import ProcessAxis, all_gather, broadcast, gather_rows, pmean
+from fddp._collectives import all_gather, broadcast, pmean
 from fddp._tree import tensor_leaves
 
-if TYPE_CHECKING:
-    from torch.distributed.distributed_c10d import GroupName
-
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-
-
-class _GatherRows(torch.autograd.Function):
-    """Stack a vector from every rank of a group; vjp: this rank's row of the summed cotangent.
-
-    ``fddp.all_gather``'s own vjp looks the rank up from the group name inside ``backward``,
-    which Dynamo cannot trace; here the rank is an argument.
-    """
-
-    @staticmethod
-    def forward(x: torch.Tensor, group_name: GroupName, size: int, rank: int) -> torch.Tensor:
-        return gather_rows(x.unsqueeze(0), group_name, size)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.group_name, ctx.size, ctx.rank = inputs[1:]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        if ctx.size > 1:
-            grad = funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group_name))
-        return grad[ctx.rank], None, None, None
-
-
-def _gather_rows(x: torch.Tensor, axis_name: str) -> torch.Tensor:
-    """``(replicas, *x.shape)``: every replica's ``x``, differentiable, over any kind of axis."""
-    axis = _axes.lookup(axis_name)
-    if isinstance(axis, ProcessAxis):
-        return _GatherRows.apply(x, axis.group_name, axis.group_size, axis.group_rank)
-    return all_gather(x, axis_name)
 
 
 def sync_batch_norm(
@@ -117,7 +82,7 @@ def sync_batch_norm(
     local_mean = xs.sum(dims) / max(rows, 1)
     local_m2 = ((xs - local_mean.view(shape)) ** 2).sum(dims)
     count = torch.full((1,), float(rows), dtype=stat_dtype, device=x.device)
-    gathered = _gather_rows(torch.cat([count, local_mean, local_m2]), axis_name)
+    gathered = all_gather(torch.cat([count, local_mean, local_m2]), axis_name)
     counts, means, m2s = gathered[:, :1], gathered[:, 1 : 1 + channels], gathered[:, 1 + channels :]
     total = counts.sum()
     mean = (counts * means).sum(0) / total
