@@ -163,6 +163,12 @@ def _mlp_worker() -> dict:
     eager = fddp.data_parallel(step, trace=False)
     _attempt(out, "eager", lambda: _train(eager, params, state, batches))
 
+    def gradient_writers(pstep):
+        graph = pstep.graph(params, state, batches[0]).graph
+        return [(str(n.target), n.kwargs.get("alpha")) for n in graph.nodes if "out" in str(n.target)]
+
+    _attempt(out, "fx_gradient_writers", lambda: gradient_writers(fx))
+
     donated = fddp.data_parallel(step, donate_argnums=(0, 1), **MLP_CAPS)
     _attempt(out, "donated", lambda: _train(donated, params, state, batches, fresh=True))
 
@@ -251,6 +257,17 @@ def test_fx_and_inductor_backends_match_trace_false(mlp_runs, variant):
         eager = _result(run, "eager")["params"]
         _assert_trajectories_close(_result(run, variant)["params"], eager, **TIGHT)
         _assert_trajectories_close(eager, _result(run, "reference")["params"], **TOL)
+
+
+def test_weight_gradients_are_computed_in_their_bucket_with_the_pmean_folded_in(mlp_runs):
+    """Each Linear weight's gradient matmul writes into its bucket slot, scaled by 1/2 (exact
+    for a power-of-two world), so the traced step equals the eager psum-then-divide bitwise."""
+    for run in mlp_runs:
+        writers = _result(run, "fx_gradient_writers")
+        weights = len(MLP_SIZES) - 1
+        assert writers.count(("aten.addmm.out", 1 / WORLD)) == weights, writers
+        fx, eager = _result(run, "fx")["params"], _result(run, "eager")["params"]
+        assert all(torch.equal(a, b) for a, b in zip(fx, eager))
 
 
 def test_without_donation_inputs_are_never_mutated(mlp_runs):

@@ -273,6 +273,24 @@ def test_buckets_group_each_dtype_separately():
         assert all(n.endswith("bias") == (plan.dtype == "float64") for n in _names(plan))
 
 
+def test_weight_gradients_are_computed_straight_into_their_bucket():
+    """A Linear weight's gradient is the whole output of a matmul: the matmul writes it into
+    its slice of the bucket (no copy), and the step's results are those of the plain step."""
+    pstep, (params, batch), step = _plain(4096, 1024)
+    view = GraphView(_graph(pstep, params, batch))
+    buckets = {_root(launch.args[0]) for launch in view.launches()}
+    into_buckets = [
+        n for n in view.nodes if _op(n) is aten.mm.out and _root(n.kwargs["out"]) in buckets
+    ]
+    assert len(into_buckets) == len(SIZES) - 1  # one per weight, no bias here
+    writers = [n for n in view.nodes if any(_root(w) in buckets for w in _written(n))]
+    copies = [n for n in writers if not _is_launch(n)]
+    assert set(copies) == set(into_buckets), f"also written into buckets: {copies}"
+    new, _ = pstep(params, batch)
+    old, _ = step(params, batch)
+    assert all(torch.equal(new[k], old[k]) for k in params)
+
+
 # --- overlap pass ----------------------------------------------------------------------------
 
 

@@ -11,7 +11,9 @@ create a cycle.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+import math
 import operator
 from collections.abc import Callable
 from typing import Any, cast
@@ -25,6 +27,7 @@ from fddp._schedule._graph import (
     ALL_REDUCE_INPLACE,
     WAIT,
     in_place_writes,
+    is_view,
     nbytes,
     positions,
     ready_position,
@@ -137,7 +140,8 @@ def rewrite(
     When every member's result was only divided by the same ``n`` (a pmean), the division
     moves before the reduction, fused with the packing. By default each gradient is written
     (divided, cast to ``comm_dtype``) into its slice of a fresh flat buffer that is reduced in
-    place; ``functional=True`` packs with ``cat`` and reduces out of place instead, for backends
+    place; a gradient that is the whole output of a matmul or sum is computed straight into its
+    slice instead (see ``_direct_write``), as DDP's ``gradient_as_bucket_view`` avoids the copy; ``functional=True`` packs with ``cat`` and reduces out of place instead, for backends
     that need a functional graph (Inductor). Each former result becomes a view of the reduced
     buffer. The new nodes go right after the last member becomes ready; the overlap pass moves
     the waits down to their first use.
@@ -162,14 +166,91 @@ def rewrite(
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _DirectWrite:
+    """A gradient computed straight into its bucket slot: ``producer`` (a matmul or sum whose
+    whole output the gradient is, through views only) is replaced by its ``out=`` variant."""
+
+    producer: fx.Node
+    dead: list[fx.Node]  # the producer and the views between it and the all-reduce, in order
+    out_variant: torch._ops.OpOverload
+    alpha: float | None  # the pmean's 1/n folded into a matmul as addmm's alpha
+
+
+_OUT_VARIANTS = {
+    aten.mm.default: aten.mm.out,
+    aten.bmm.default: aten.bmm.out,
+    aten.sum.dim_IntList: aten.sum.IntList_out,
+}
+
+
+def _direct_write(m: Member, divisor: float | None, wire: torch.dtype) -> _DirectWrite | None:
+    """How ``m``'s gradient can be produced in its bucket slot, or None when it must be copied.
+
+    The gradient must be the producer's entire output in the same memory order (a contiguous
+    view of the same numel at offset 0: ``t(t(mm))`` of a Linear weight, ``view(sum)`` of a
+    bias), read by nothing else. A pmean's division is folded in only where it is exact: for a
+    matmul, a power-of-two ``n`` becomes gemm's alpha (scaling by 2^-k is exact, so the result is
+    bitwise the division's); otherwise the copy path divides as it packs.
+    """
+    grad = value(m.source)
+    if grad.dtype != wire or not grad.is_contiguous() or len(m.source.users) != 1:
+        return None
+    dead, node = [m.source], m.source
+    while is_view(node):
+        node = cast(fx.Node, node.args[0])
+        if len(node.users) != 1:
+            return None
+        dead.append(node)
+    out_variant = _OUT_VARIANTS.get(cast(Any, node.target))
+    produced = value(node)
+    if (
+        out_variant is None
+        or not produced.is_contiguous()
+        or produced.numel() != grad.numel()
+        or produced.storage_offset() != grad.storage_offset()
+    ):
+        return None
+    alpha = None
+    if divisor is not None and divisor != 1:
+        mantissa = math.frexp(float(divisor))[0]
+        if node.target is not aten.mm.default or mantissa != 0.5:
+            return None
+        alpha, out_variant = 1 / float(divisor), aten.addmm.out
+    return _DirectWrite(node, dead, out_variant, alpha)
+
+
+def _write_directly(chain: _Chain, direct: _DirectWrite, flat: fx.Node, offset: int) -> None:
+    producer = direct.producer
+    shape = list(value(producer).shape)
+    size = value(producer).numel()
+    before = functools.partial(chain.add_before, producer)
+    slot = before(aten.view.default, before(aten.slice.Tensor, flat, 0, offset, offset + size), shape)
+    if direct.alpha is None:
+        before(direct.out_variant, *producer.args, **producer.kwargs, out=slot)
+    else:  # mm(a, b) / n == addmm(ignored, a, b, beta=0, alpha=1/n)
+        before(direct.out_variant, slot, *producer.args, beta=0, alpha=direct.alpha, out=slot)
+
+
 def _pack_in_place(
     chain: _Chain, bucket: list[Member], divisor: float | None, wire: torch.dtype
 ) -> fx.Node:
     add = chain.add
     sizes = [value(m.source).numel() for m in bucket]
     device = value(bucket[0].source).device
-    flat = add(aten.empty.memory_format, [sum(sizes)], dtype=wire, device=device)
-    for m, offset, size in zip(bucket, _offsets(sizes), sizes):
+    direct = [_direct_write(m, divisor, wire) for m in bucket]
+    producers = [d.producer for d in direct if d is not None]
+    empty = (aten.empty.memory_format, [sum(sizes)])
+    if producers:
+        first = min(producers, key=positions(chain.graph).__getitem__)
+        flat = chain.add_before(first, *empty, dtype=wire, device=device)
+    else:
+        flat = add(*empty, dtype=wire, device=device)
+    for m, offset, size, d in zip(bucket, _offsets(sizes), sizes, direct):
+        if d is not None:
+            _write_directly(chain, d, flat, offset)
+            chain.dead.extend(d.dead)
+            continue
         slot = add(
             aten.view.default,
             add(aten.slice.Tensor, flat, 0, offset, offset + size),
@@ -213,6 +294,8 @@ def _unpack(
         old.replace_all_uses_with(leaf)
         for node in (old, m.wait, m.collective) if divided else (old, m.collective):
             graph.erase_node(node)
+    for node in chain.dead:  # gradients now computed in their slots
+        graph.erase_node(node)
 
 
 def _offsets(sizes: list[int]) -> list[int]:
@@ -225,6 +308,21 @@ class _Chain:
     def __init__(self, graph: fx.Graph, anchor: fx.Node, meta: dict) -> None:
         self.graph, self.anchor, self.last, self.meta = graph, anchor, anchor, meta
         self.nodes: list[fx.Node] = []
+        self.dead: list[fx.Node] = []
+
+    def add_before(
+        self,
+        where: fx.Node,
+        target: Callable[..., Any],
+        *args: fx.node.Argument,
+        **kwargs: fx.node.Argument,
+    ) -> fx.Node:
+        """A new node placed before ``where`` (the chain's end does not move)."""
+        with self.graph.inserting_before(where):
+            node = self.graph.call_function(target, args, kwargs)
+        node.meta.update(self.meta)
+        self.nodes.append(node)
+        return node
 
     def add(
         self, target: Callable[..., Any], *args: fx.node.Argument, **kwargs: fx.node.Argument
