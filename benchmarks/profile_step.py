@@ -21,7 +21,7 @@ COMM_MARKERS = ("all_reduce", "allreduce", "wait_tensor", "broadcast", "gloo", "
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split(":")[0])
     p.add_argument("--workload", default="mlp", choices=sorted(WORKLOADS))
-    p.add_argument("--variants", default="fddp,ddp,local", help="fddp, ddp, local, fddp@MB ...")
+    p.add_argument("--variants", default="fddp,ddp,local", help="fddp, ddp, local, fddp@MB, fddp+zero, ddp+zero ...")
     p.add_argument("--steps", type=int, default=5, help="profiled steps per variant")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rows", type=int, default=15, help="ops listed per variant")
@@ -31,8 +31,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _spec(name: str) -> Spec:
+    name, zero = name.removesuffix("+zero"), name.endswith("+zero")
     kind, _, mb = name.partition("@")
-    return Spec(kind, float(mb) if mb else None)
+    return Spec(kind, float(mb) if mb else None, zero=zero)
 
 
 def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> None:

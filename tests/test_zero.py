@@ -20,6 +20,9 @@ from _models import mlp, next_token_loss, regression_batch, tiny_decoder, token_
 import fddp
 import fddp.optim as optim
 
+aten = torch.ops.aten
+ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
+
 STEPS = 20
 TOL = 1e-6
 TINY_BUCKETS = 40 / 2**20  # 40 bytes: several buckets, most of them uneven over 2 and 3
@@ -255,6 +258,13 @@ def _train(
             "all_gather_into_tensor",
             "reduce_scatter_tensor",
         }, kinds
+    if trace and sharded and not compile:  # Inductor plans its own concatenations
+        # the gradient buckets are not concatenated: a weight's matmul writes into its slice
+        graph = step.graph(params, state, rows(0)).graph
+        sent = {n.args[0] for n in graph.nodes if n.target is ALL_TO_ALL}
+        assert not any(x.target in (aten.cat.default, aten.constant_pad_nd.default) for x in sent)
+        outs = [n.kwargs["out"] for n in graph.nodes if n.target is aten.mm.out]
+        assert all(out.args[0].args[0] in sent for out in outs)  # view(slice(bucket))
     return params, state
 
 

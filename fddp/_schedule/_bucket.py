@@ -27,6 +27,7 @@ from fddp._schedule._graph import (
     ALL_REDUCE_INPLACE,
     WAIT,
     in_place_writes,
+    is_collective,
     is_view,
     nbytes,
     positions,
@@ -141,7 +142,8 @@ def rewrite(
     moves before the reduction, fused with the packing. By default each gradient is written
     (divided, cast to ``comm_dtype``) into its slice of a fresh flat buffer that is reduced in
     place; a gradient that is the whole output of a matmul or sum is computed straight into its
-    slice instead (see ``_direct_write``), as DDP's ``gradient_as_bucket_view`` avoids the copy; ``functional=True`` packs with ``cat`` and reduces out of place instead, for backends
+    slice instead (see ``_direct_write``), as DDP's ``gradient_as_bucket_view`` avoids the
+    copy; ``functional=True`` packs with ``cat`` and reduces out of place instead, for backends
     that need a functional graph (Inductor). Each former result becomes a view of the reduced
     buffer. The new nodes go right after the last member becomes ready; the overlap pass moves
     the waits down to their first use.
@@ -184,8 +186,8 @@ _OUT_VARIANTS = {
 }
 
 
-def _direct_write(m: Member, divisor: float | None, wire: torch.dtype) -> _DirectWrite | None:
-    """How ``m``'s gradient can be produced in its bucket slot, or None when it must be copied.
+def _direct_write(source: fx.Node, divisor: float | None, wire: torch.dtype) -> _DirectWrite | None:
+    """How ``source`` can be produced in its bucket slot, or None when it must be copied.
 
     The gradient must be the producer's entire output in the same memory order (a contiguous
     view of the same numel at offset 0: ``t(t(mm))`` of a Linear weight, ``view(sum)`` of a
@@ -193,10 +195,10 @@ def _direct_write(m: Member, divisor: float | None, wire: torch.dtype) -> _Direc
     matmul, a power-of-two ``n`` becomes gemm's alpha (scaling by 2^-k is exact, so the result is
     bitwise the division's); otherwise the copy path divides as it packs.
     """
-    grad = value(m.source)
-    if grad.dtype != wire or not grad.is_contiguous() or len(m.source.users) != 1:
+    grad = value(source)
+    if grad.dtype != wire or not grad.is_contiguous() or len(source.users) != 1:
         return None
-    dead, node = [m.source], m.source
+    dead, node = [source], source
     while is_view(node):
         node = cast(fx.Node, node.args[0])
         if len(node.users) != 1:
@@ -235,18 +237,33 @@ def _write_directly(chain: _Chain, direct: _DirectWrite, flat: fx.Node, offset: 
 def _pack_in_place(
     chain: _Chain, bucket: list[Member], divisor: float | None, wire: torch.dtype
 ) -> fx.Node:
+    flat = _pack_into_flat(chain, [m.source for m in bucket], divisor, wire)
+    group, op = bucket[0].collective.args[2], bucket[0].collective.args[1]
+    return chain.add(ALL_REDUCE_INPLACE, flat, op, group)
+
+
+def _pack_into_flat(
+    chain: _Chain,
+    sources: list[fx.Node],
+    divisor: float | None,
+    wire: torch.dtype,
+    padding: int = 0,
+) -> fx.Node:
+    """A fresh flat buffer holding ``sources`` one after another (each divided by ``divisor``,
+    cast to ``wire``), then ``padding`` zeros: computed there where ``_direct_write`` allows,
+    else copied in at the chain's end."""
     add = chain.add
-    sizes = [value(m.source).numel() for m in bucket]
-    device = value(bucket[0].source).device
-    direct = [_direct_write(m, divisor, wire) for m in bucket]
+    sizes = [value(s).numel() for s in sources]
+    device = value(sources[0]).device
+    direct = [_direct_write(s, divisor, wire) for s in sources]
     producers = [d.producer for d in direct if d is not None]
-    empty = (aten.empty.memory_format, [sum(sizes)])
+    empty = (aten.empty.memory_format, [sum(sizes) + padding])
     if producers:
         first = min(producers, key=positions(chain.graph).__getitem__)
         flat = chain.add_before(first, *empty, dtype=wire, device=device)
     else:
         flat = add(*empty, dtype=wire, device=device)
-    for m, offset, size, d in zip(bucket, _offsets(sizes), sizes, direct):
+    for source, offset, size, d in zip(sources, _offsets(sizes), sizes, direct):
         if d is not None:
             _write_directly(chain, d, flat, offset)
             chain.dead.extend(d.dead)
@@ -254,16 +271,49 @@ def _pack_in_place(
         slot = add(
             aten.view.default,
             add(aten.slice.Tensor, flat, 0, offset, offset + size),
-            list(value(m.source).shape),
+            list(value(source).shape),
         )
         if divisor is None:
-            add(aten.copy_.default, slot, m.source)
-        elif wire == value(m.source).dtype:
-            add(aten.div.Scalar_out, m.source, divisor, out=slot)
+            add(aten.copy_.default, slot, source)
+        elif wire == value(source).dtype:
+            add(aten.div.Scalar_out, source, divisor, out=slot)
         else:  # out= cannot cast: divide in the gradient's precision, then copy_ casts
-            add(aten.copy_.default, slot, add(aten.div.Tensor, m.source, divisor))
-    group, op = bucket[0].collective.args[2], bucket[0].collective.args[1]
-    return add(ALL_REDUCE_INPLACE, flat, op, group)
+            add(aten.copy_.default, slot, add(aten.div.Tensor, source, divisor))
+    if padding:
+        add(aten.zero_.default, add(aten.slice.Tensor, flat, 0, sum(sizes), sum(sizes) + padding))
+    return flat
+
+
+def pack_concatenations_in_place(graph: fx.Graph) -> None:
+    """Buckets packed by the step itself for a collective (``shard_state``'s ``cat`` of
+    flattened gradients, zero-padded to a multiple of the replicas): packed as this pass packs
+    its own, with the gradients computed in place where they can be."""
+    for launch in [n for n in graph.nodes if is_collective(n)]:
+        packed = launch.args[0]
+        if not isinstance(packed, fx.Node) or len(packed.users) != 1:
+            continue
+        concatenated, padding = packed, 0
+        if packed.target is aten.constant_pad_nd.default:
+            widths, fill = packed.args[1], packed.args[2] if len(packed.args) > 2 else 0
+            if len(widths) != 2 or widths[0] != 0 or fill != 0:
+                continue
+            concatenated, padding = cast(fx.Node, packed.args[0]), cast(int, widths[1])
+        if concatenated.target is aten.cat.default and len(concatenated.users) == 1:
+            parts = cast("list[fx.Node]", concatenated.args[0])
+        elif padding:
+            parts, concatenated = [concatenated], packed
+        else:
+            continue
+        if any(value(p).dim() != 1 for p in parts) or len({value(p).dtype for p in parts}) != 1:
+            continue
+        chain = _Chain(graph, cast(fx.Node, packed.prev), {})
+        flat = _pack_into_flat(chain, parts, None, value(parts[0]).dtype, padding)
+        chain.fill_meta()
+        packed.replace_all_uses_with(flat)
+        for node in dict.fromkeys([packed, concatenated]):
+            graph.erase_node(node)
+        for node in chain.dead:
+            graph.erase_node(node)
 
 
 def _pack_functional(
@@ -336,7 +386,8 @@ class _Chain:
 
     def fill_meta(self) -> None:
         """Record the fake value of each new node, as make_fx would have."""
-        fake_mode = detect_fake_mode([self.anchor.meta.get("val")])
+        inputs = [a.meta.get("val") for n in self.nodes for a in n.all_input_nodes]
+        fake_mode = detect_fake_mode([self.anchor.meta.get("val"), *inputs])
         assert fake_mode is not None  # the captured graph's values are fake tensors
         with fake_mode:
             for node in self.nodes:

@@ -51,6 +51,8 @@ def schedule_graph(captured: Captured, options: Options, donated: set[int]) -> P
     buckets = _bucket.assign(members, cap, options.first_bucket_cap_bytes)
     in_place = options.compile in (False, None, "fx")
     bucket_nodes = _bucket.rewrite(graph, buckets, options.comm_dtype, functional=not in_place)
+    if in_place:
+        _bucket.pack_concatenations_in_place(graph)
     _overlap.overlap(graph)
     if in_place:
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
