@@ -22,6 +22,7 @@ import fddp.optim as optim
 
 aten = torch.ops.aten
 ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
+WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 STEPS = 20
 TOL = 1e-6
@@ -265,6 +266,14 @@ def _train(
         assert not any(x.target in (aten.cat.default, aten.constant_pad_nd.default) for x in sent)
         outs = [n.kwargs["out"] for n in graph.nodes if n.target is aten.mm.out]
         assert all(out.args[0].args[0] in sent for out in outs)  # view(slice(bucket))
+        # ZeRO-2's memory bound: at most two reduce-scatters or all-gathers in flight
+        in_flight, most = set(), 0
+        for node in graph.nodes:
+            if node.target is ALL_TO_ALL:
+                in_flight.add(node)
+            in_flight -= {a for a in node.all_input_nodes if node.target is WAIT}
+            most = max(most, len(in_flight))
+        assert most == 2, most
     return params, state
 
 
@@ -358,3 +367,4 @@ def test_compile_true_with_sharded_state_on_two_gloo_ranks():
     """Inductor runs the scheduled sharded step (all-to-alls included) to the unsharded result."""
     for diff in run_ranks(_compiled_on_two_ranks, 2, timeout=240):
         assert diff < TOL, diff
+

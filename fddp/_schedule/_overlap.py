@@ -16,6 +16,7 @@ its share of the update. DDP cannot do this: its optimizer starts after ``backwa
 
 from __future__ import annotations
 
+import collections
 import itertools
 import operator
 from typing import cast
@@ -121,6 +122,7 @@ def overlap(graph: fx.Graph) -> None:
     hoist_launches(graph)
     sink_waits(graph)
     order_by_bucket(graph)
+    bound_sharding_collectives(graph)
 
 
 NO_BUCKET = -1
@@ -209,6 +211,28 @@ def split_foreach(graph: fx.Graph) -> int:
     return split
 
 
+def _dependencies(nodes: list[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
+    """What must run before each node: its inputs and, through in-place writes, the earlier
+    readers and writer of a storage it writes and the last writer of one it reads."""
+    deps: dict[fx.Node, list[fx.Node]] = {}
+    last_writer: dict[fx.Node, fx.Node] = {}
+    readers: dict[fx.Node, list[fx.Node]] = {}
+    for node in nodes:
+        written = {alias_root(a) for a in mutated_inputs(node)}
+        roots = {alias_root(a) for a in node.all_input_nodes}
+        deps[node] = list(node.all_input_nodes)
+        for root in roots:
+            deps[node].extend([last_writer[root]] if root in last_writer else [])
+            if root in written:
+                deps[node].extend(readers.get(root, []))
+        for root in roots:
+            if root in written:
+                last_writer[root], readers[root] = node, []
+            else:
+                readers.setdefault(root, []).append(node)
+    return deps
+
+
 def order_by_bucket(graph: fx.Graph) -> None:
     """Stable-sort nodes by the last bucket they need, respecting every dependency.
 
@@ -218,25 +242,17 @@ def order_by_bucket(graph: fx.Graph) -> None:
     need = _buckets_needed(graph)
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
+    deps = _dependencies(nodes)
     key: dict[fx.Node, int] = {}
-    last_writer: dict[fx.Node, fx.Node] = {}
-    readers: dict[fx.Node, list[fx.Node]] = {}
     for node in nodes:
-        written = {alias_root(a) for a in mutated_inputs(node)}
-        roots = {alias_root(a) for a in node.all_input_nodes}
-        deps = list(node.all_input_nodes)
-        for root in roots:
-            deps.extend([last_writer[root]] if root in last_writer else [])
-            if root in written:
-                deps.extend(readers.get(root, []))
-        key[node] = max([need[node], *(key[d] for d in deps)])
-        for root in roots:
-            if root in written:
-                last_writer[root], readers[root] = node, []
-            else:
-                readers.setdefault(root, []).append(node)
+        key[node] = max([need[node], *(key[d] for d in deps[node])])
     body = [n for n in nodes if n.op not in ("placeholder", "output")]
     body.sort(key=lambda n: (key[n], pos[n]))
+    _reorder(nodes, body)
+
+
+def _reorder(nodes: list[fx.Node], body: list[fx.Node]) -> None:
+    """Put ``body`` (every node but placeholders and the output) in this order."""
     heads = [n for n in nodes if n.op == "placeholder"]
     if not body:
         return
@@ -246,3 +262,75 @@ def order_by_bucket(graph: fx.Graph) -> None:
         nodes[0].prepend(body[0])
     for before, node in itertools.pairwise(body):
         before.append(node)
+
+
+_c10d = torch.ops._c10d_functional
+# Collectives whose buffers are each a whole bucket while the result kept is 1/N of one (a
+# reduce-scatter) or whose result is consumed at once (an all-gather of updated shards); on
+# gloo both are all-to-alls.
+SHARDING_COLLECTIVES = {
+    _c10d.reduce_scatter_tensor.default,
+    _c10d.all_gather_into_tensor.default,
+    _c10d.all_to_all_single.default,
+}
+SHARDING_IN_FLIGHT = 2
+# What finishes a sharding collective's result: views, the local sum of a reduce-scatter, the
+# mean's division, a cast, and adding all-gathered updates to the parameters.
+_FINISHING = {"view", "_unsafe_view", "reshape", "slice", "split_with_sizes", "squeeze"}
+_FINISHING |= {"sum", "div", "div_", "mul", "_to_copy", "add", "add_", "_foreach_add"}
+_FINISHING |= {"_foreach_add_"}
+
+
+def _finishes(node: fx.Node) -> bool:
+    if node.op != "call_function" or is_collective(node):
+        return False
+    target = node.target
+    if target is operator.getitem:
+        return True
+    return isinstance(target, torch._ops.OpOverload) and target._opname in _FINISHING
+
+
+def bound_sharding_collectives(graph: fx.Graph, limit: int = SHARDING_IN_FLIGHT) -> None:
+    """At most ``limit`` reduce-scatters and all-gathers in flight (ZeRO-2's memory bound).
+
+    Waited for late, every bucket's reduce-scatter buffers (the whole bucket sent, on gloo the
+    whole bucket received too) would be alive at the end of the backward pass, and every
+    all-gather's at the end of the step: twice the gradients' bytes on top of the unsharded
+    step's peak. Before launching another, the oldest in flight is waited for and its result
+    finished (summed to this rank's shard, or added to the parameters), so its buffers die.
+    """
+    nodes = list(graph.nodes)
+    deps = _dependencies(nodes)
+    users: dict[fx.Node, list[fx.Node]] = {n: [] for n in nodes}
+    for node, before in deps.items():
+        for d in before:
+            users[d].append(node)
+    done: set[fx.Node] = {n for n in nodes if n.op == "placeholder"}
+    order: list[fx.Node] = []
+    in_flight: collections.deque[fx.Node] = collections.deque()
+
+    def run(node: fx.Node) -> None:
+        order.append(node)
+        done.add(node)
+
+    def finish(launch: fx.Node) -> None:
+        waits = [u for u in launch.users if is_wait(u) and u not in done]
+        if len(waits) != 1 or not all(d in done for d in deps[waits[0]]):
+            return
+        run(waits[0])
+        frontier = waits
+        while frontier:
+            for user in users[frontier.pop()]:
+                if user not in done and _finishes(user) and all(d in done for d in deps[user]):
+                    run(user)
+                    frontier.append(user)
+
+    for node in nodes:
+        if node in done or node.op == "output":
+            continue
+        if node.target in SHARDING_COLLECTIVES:
+            while len(in_flight) >= limit:
+                finish(in_flight.popleft())
+            in_flight.append(node)
+        run(node)
+    _reorder(nodes, [n for n in order if n.op != "placeholder"])
