@@ -7,13 +7,14 @@ the shard is a ``Shard(0)`` DTensor piece of the bucket (see ``_checkpoint_shard
 wrapped optimizer runs on the list of this replica's bucket shards, one tensor per bucket.
 
 Each bucket's gradients go through one reduce-scatter. Under ``data_parallel`` it is launched
-as soon as that bucket's last gradient exists (the packing is hoisted with the gradient sums),
-so it overlaps the rest of the backward pass; the update of bucket ``b`` runs while later
-buckets are still on the wire, and its all-gather starts right after it. Memory: the per-leaf
-gradients die when their bucket is packed, the packed bucket when its reduce-scatter is waited
-for, and from then on only the ``1/N`` shard lives (stage 2 for the optimizer phase). The waits
-sit where their results are first needed, so at the end of the backward pass every bucket is
-still in flight and the gradients' peak is one full copy, as with unsharded buckets.
+as soon as that bucket's last gradient exists (each weight's matmul writes its gradient straight
+into the bucket), so it overlaps the rest of the backward pass; the update of bucket ``b`` runs
+while later buckets are still on the wire, and its all-gather starts right after it. Memory
+(stage 2): the scheduler keeps at most two reduce-scatters or all-gathers in flight
+(``_overlap.bound_sharding_collectives``): before the next launch, the oldest is waited for and
+its result summed to this replica's shard (or added to the parameters), so a whole bucket of
+gradients lives from its first gradient until its reduce-scatter completes, two launches later
+at most, and after the backward pass only the ``1/N`` shards do. A step under ``trace=False`` waits for each collective at once.
 """
 
 from __future__ import annotations
