@@ -11,7 +11,7 @@ from fddp._agree import find_difference
 from fddp._errors import ReplicaMismatchError
 from fddp._tree import leaves_with_paths
 
-_CHUNK = 1 << 22  # words hashed at once, to bound the temporary memory
+_CHUNK = 1 << 18  # words hashed at once: each int64 temporary is 2 MiB
 _WEIGHT = (-7046029254386353131, 1442695040888963407)  # odd 64-bit multipliers (wrapping)
 _SECOND = (-4658895280553007687, 6364136223846793005)
 

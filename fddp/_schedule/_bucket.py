@@ -255,7 +255,8 @@ def _pack_into_flat(
     add = chain.add
     sizes = [value(s).numel() for s in sources]
     device = value(sources[0]).device
-    direct = [_direct_write(s, divisor, wire) for s in sources]
+    once = {s for s in sources if sources.count(s) == 1}  # a producer can write one slot
+    direct = [_direct_write(s, divisor, wire) if s in once else None for s in sources]
     producers = [d.producer for d in direct if d is not None]
     empty = (aten.empty.memory_format, [sum(sizes) + padding])
     if producers:
