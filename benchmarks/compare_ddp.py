@@ -87,6 +87,13 @@ class Spec:
     donate: bool = True
     zero: bool = False  # optimizer state sharded: shard_state / ZeroRedundancyOptimizer
 
+    @classmethod
+    def from_name(cls, name: str) -> Spec:
+        """The spec of a plain variant name: ``fddp``, ``ddp@5``, ``fddp+zero``..."""
+        name, zero = name.removesuffix("+zero"), name.endswith("+zero")
+        kind, _, mb = name.partition("@")
+        return cls(kind, float(mb) if mb else None, zero=zero)
+
     @property
     def name(self) -> str:
         name = self.kind + ("" if self.bucket_mb is None else f"@{self.bucket_mb:g}")

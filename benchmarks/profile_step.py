@@ -30,19 +30,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _spec(name: str) -> Spec:
-    name, zero = name.removesuffix("+zero"), name.endswith("+zero")
-    kind, _, mb = name.partition("@")
-    return Spec(kind, float(mb) if mb else None, zero=zero)
-
-
 def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     ranks.join_world(rank, world, port, args.threads)
     workload = WORKLOADS[args.workload]
     device = torch.device("cpu")
     batches = rank_batches(workload, world, rank, device)
     for name in args.variants.split(","):
-        variant = build(_spec(name), workload, device)
+        variant = build(Spec.from_name(name), workload, device)
         for i in range(args.warmup + 1):
             variant.step(batches[i % len(batches)])
         dist.barrier()

@@ -1,0 +1,65 @@
+"""Bytes allocated at once within one training step, per variant, on 2 gloo ranks:
+python benchmarks/step_memory.py --workload mlp --variants fddp,fddp+zero,ddp,ddp+zero
+
+Peak RSS (compare_ddp.py's memory runs) also counts memory the allocator keeps after a free;
+this counts live tensor bytes: the torch profiler's allocation events of one step after warm-up,
+summed in time order, from the step's start (parameters and optimizer state already held).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import ranks
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from compare_ddp import Spec, build
+from torch.profiler import ProfilerActivity, profile
+from workloads import WORKLOADS, rank_batches
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split(":")[0])
+    p.add_argument("--workload", default="mlp", choices=sorted(WORKLOADS))
+    p.add_argument("--variants", default="fddp,fddp+zero,ddp,ddp+zero")
+    p.add_argument("--warmup", type=int, default=4)
+    return p.parse_args(argv)
+
+
+def peak_bytes(prof: profile) -> int:
+    """The most bytes alive at once, counting from the start of the profiled region."""
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    ranks.join_world(rank, world, port, 1)
+    workload = WORKLOADS[args.workload]
+    batches = rank_batches(workload, world, rank, torch.device("cpu"))
+    for name in args.variants.split(","):
+        variant = build(Spec.from_name(name), workload, torch.device("cpu"))
+        for i in range(args.warmup):
+            variant.step(batches[i % len(batches)])
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            variant.step(batches[0])
+        peaks = [None] * world
+        dist.all_gather_object(peaks, peak_bytes(prof))
+        if rank == 0:
+            print(f"{args.workload} {name}: {max(peaks) / 2**20:.1f} MiB allocated at most")
+        del variant
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    mp.spawn(_rank_main, args=(2, ranks.free_port(), args), nprocs=2)
+
+
+if __name__ == "__main__":
+    main()
