@@ -21,7 +21,11 @@ COMM_MARKERS = ("all_reduce", "allreduce", "wait_tensor", "broadcast", "gloo", "
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split(":")[0])
     p.add_argument("--workload", default="mlp", choices=sorted(WORKLOADS))
-    p.add_argument("--variants", default="fddp,ddp,local", help="fddp, ddp, local, fddp@MB, fddp+zero, ddp+zero ...")
+    p.add_argument(
+        "--variants",
+        default="fddp,ddp,local",
+        help="fddp, ddp, local, fddp@MB, fddp+zero, ddp+zero ...",
+    )
     p.add_argument("--steps", type=int, default=5, help="profiled steps per variant")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rows", type=int, default=15, help="ops listed per variant")

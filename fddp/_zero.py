@@ -14,7 +14,8 @@ while later buckets are still on the wire, and its all-gather starts right after
 (``_overlap.bound_sharding_collectives``): before the next launch, the oldest is waited for and
 its result summed to this replica's shard (or added to the parameters), so a whole bucket of
 gradients lives from its first gradient until its reduce-scatter completes, two launches later
-at most, and after the backward pass only the ``1/N`` shards do. A step under ``trace=False`` waits for each collective at once.
+at most, and after the backward pass only the ``1/N`` shards do. A step under ``trace=False``
+waits for each collective at once.
 """
 
 from __future__ import annotations

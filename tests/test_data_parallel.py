@@ -165,7 +165,9 @@ def _mlp_worker() -> dict:
 
     def gradient_writers(pstep):
         graph = pstep.graph(params, state, batches[0]).graph
-        return [(str(n.target), n.kwargs.get("alpha")) for n in graph.nodes if "out" in str(n.target)]
+        return [
+            (str(n.target), n.kwargs.get("alpha")) for n in graph.nodes if "out" in str(n.target)
+        ]
 
     _attempt(out, "fx_gradient_writers", lambda: gradient_writers(fx))
 

@@ -367,4 +367,3 @@ def test_compile_true_with_sharded_state_on_two_gloo_ranks():
     """Inductor runs the scheduled sharded step (all-to-alls included) to the unsharded result."""
     for diff in run_ranks(_compiled_on_two_ranks, 2, timeout=240):
         assert diff < TOL, diff
-

@@ -227,7 +227,9 @@ def _write_directly(chain: _Chain, direct: _DirectWrite, flat: fx.Node, offset: 
     shape = list(value(producer).shape)
     size = value(producer).numel()
     before = functools.partial(chain.add_before, producer)
-    slot = before(aten.view.default, before(aten.slice.Tensor, flat, 0, offset, offset + size), shape)
+    slot = before(
+        aten.view.default, before(aten.slice.Tensor, flat, 0, offset, offset + size), shape
+    )
     if direct.alpha is None:
         before(direct.out_variant, *producer.args, **producer.kwargs, out=slot)
     else:  # mm(a, b) / n == addmm(ignored, a, b, beta=0, alpha=1/n)
@@ -295,10 +297,11 @@ def pack_concatenations_in_place(graph: fx.Graph) -> None:
             continue
         concatenated, padding = packed, 0
         if packed.target is aten.constant_pad_nd.default:
-            widths, fill = packed.args[1], packed.args[2] if len(packed.args) > 2 else 0
+            widths = cast("list[int]", packed.args[1])
+            fill = packed.args[2] if len(packed.args) > 2 else 0
             if len(widths) != 2 or widths[0] != 0 or fill != 0:
                 continue
-            concatenated, padding = cast(fx.Node, packed.args[0]), cast(int, widths[1])
+            concatenated, padding = cast(fx.Node, packed.args[0]), widths[1]
         if concatenated.target is aten.cat.default and len(concatenated.users) == 1:
             parts = cast("list[fx.Node]", concatenated.args[0])
         elif padding:
@@ -307,7 +310,7 @@ def pack_concatenations_in_place(graph: fx.Graph) -> None:
             continue
         if any(value(p).dim() != 1 for p in parts) or len({value(p).dtype for p in parts}) != 1:
             continue
-        chain = _Chain(graph, cast(fx.Node, packed.prev), {})
+        chain = _Chain(graph, packed.prev, {})
         flat = _pack_into_flat(chain, parts, None, value(parts[0]).dtype, padding)
         chain.fill_meta()
         packed.replace_all_uses_with(flat)
