@@ -222,14 +222,18 @@ def _direct_write(source: fx.Node, divisor: float | None, wire: torch.dtype) -> 
     return _DirectWrite(node, dead, out_variant, alpha)
 
 
+def _slot(add: Callable[..., fx.Node], flat: fx.Node, offset: int, shape: torch.Size) -> fx.Node:
+    """The view of ``flat`` at ``offset`` that holds a tensor of ``shape``."""
+    size = shape.numel()
+    return add(
+        aten.view.default, add(aten.slice.Tensor, flat, 0, offset, offset + size), list(shape)
+    )
+
+
 def _write_directly(chain: _Chain, direct: _DirectWrite, flat: fx.Node, offset: int) -> None:
     producer = direct.producer
-    shape = list(value(producer).shape)
-    size = value(producer).numel()
     before = functools.partial(chain.add_before, producer)
-    slot = before(
-        aten.view.default, before(aten.slice.Tensor, flat, 0, offset, offset + size), shape
-    )
+    slot = _slot(before, flat, offset, value(producer).shape)
     if direct.alpha is None:
         before(direct.out_variant, *producer.args, **producer.kwargs, out=slot)
     else:  # mm(a, b) / n == addmm(ignored, a, b, beta=0, alpha=1/n)
@@ -266,16 +270,12 @@ def _pack_into_flat(
         flat = chain.add_before(first, *empty, dtype=wire, device=device)
     else:
         flat = add(*empty, dtype=wire, device=device)
-    for source, offset, size, d in zip(sources, _offsets(sizes), sizes, direct):
+    for source, offset, d in zip(sources, _offsets(sizes), direct):
         if d is not None:
             _write_directly(chain, d, flat, offset)
             chain.dead.extend(d.dead)
             continue
-        slot = add(
-            aten.view.default,
-            add(aten.slice.Tensor, flat, 0, offset, offset + size),
-            list(value(source).shape),
-        )
+        slot = _slot(add, flat, offset, value(source).shape)
         if divisor is None:
             add(aten.copy_.default, slot, source)
         elif wire == value(source).dtype:
@@ -316,8 +316,7 @@ def pack_concatenations_in_place(graph: fx.Graph) -> None:
         packed.replace_all_uses_with(flat)
         for node in dict.fromkeys([packed, concatenated]):
             graph.erase_node(node)
-        for node in chain.dead:
-            graph.erase_node(node)
+        chain.erase_dead()
 
 
 def _pack_functional(
@@ -348,8 +347,7 @@ def _unpack(
         old.replace_all_uses_with(leaf)
         for node in (old, m.wait, m.collective) if divided else (old, m.collective):
             graph.erase_node(node)
-    for node in chain.dead:  # gradients now computed in their slots
-        graph.erase_node(node)
+    chain.erase_dead()
 
 
 def _offsets(sizes: list[int]) -> list[int]:
@@ -363,6 +361,12 @@ class _Chain:
         self.graph, self.anchor, self.last, self.meta = graph, anchor, anchor, meta
         self.nodes: list[fx.Node] = []
         self.dead: list[fx.Node] = []
+
+    def erase_dead(self) -> None:
+        """Drop the gradients' former producers, now that their slots are computed in place."""
+        for node in self.dead:
+            self.graph.erase_node(node)
+        self.dead = []
 
     def add_before(
         self,

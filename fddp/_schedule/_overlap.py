@@ -26,6 +26,7 @@ from torch import fx
 
 from fddp._schedule._graph import (
     alias_root,
+    c10d,
     in_place_writes,
     is_collective,
     is_wait,
@@ -264,21 +265,21 @@ def _reorder(nodes: list[fx.Node], body: list[fx.Node]) -> None:
         before.append(node)
 
 
-_c10d = torch.ops._c10d_functional
 # Collectives whose buffers are each a whole bucket while the result kept is 1/N of one (a
 # reduce-scatter) or whose result is consumed at once (an all-gather of updated shards); on
 # gloo both are all-to-alls.
 SHARDING_COLLECTIVES = {
-    _c10d.reduce_scatter_tensor.default,
-    _c10d.all_gather_into_tensor.default,
-    _c10d.all_to_all_single.default,
+    c10d.reduce_scatter_tensor.default,
+    c10d.all_gather_into_tensor.default,
+    c10d.all_to_all_single.default,
 }
 SHARDING_IN_FLIGHT = 2
 # What finishes a sharding collective's result: views, the local sum of a reduce-scatter, the
 # mean's division, a cast, and adding all-gathered updates to the parameters.
-_FINISHING = {"view", "_unsafe_view", "reshape", "slice", "split_with_sizes", "squeeze"}
-_FINISHING |= {"sum", "div", "div_", "mul", "_to_copy", "add", "add_", "_foreach_add"}
-_FINISHING |= {"_foreach_add_"}
+_FINISHING = {
+    *("view", "_unsafe_view", "reshape", "slice", "split_with_sizes", "squeeze"),
+    *("sum", "div", "div_", "mul", "_to_copy", "add", "add_", "_foreach_add", "_foreach_add_"),
+}
 
 
 def _finishes(node: fx.Node) -> bool:
