@@ -25,6 +25,7 @@ from fddp._errors import (
 )
 from fddp._grad import grad, value_and_grad
 from fddp._module import functional, state
+from fddp._pending import block_until_ready
 from fddp._powersgd import powersgd
 from fddp._runtime import init, rank, replicate, shard, world_size
 from fddp._timeline import plot_timeline
@@ -44,6 +45,7 @@ __all__ = [
     "all_gather",
     "axis_index",
     "axis_size",
+    "block_until_ready",
     "broadcast",
     "data",
     "data_parallel",

@@ -18,7 +18,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp import _runtime
+from fddp import _pending, _runtime
 from fddp._errors import RankFailureError, SaveArrivalError
 from fddp.typing import TensorTree
 
@@ -104,7 +104,7 @@ def save(path: PathLike, tree: TensorTree, *, rank0_only: bool = True) -> None:
         ['ckpt.pt']
     """
     path = os.fspath(path)
-    paths, leaves, treespec = _flatten(tree)
+    paths, leaves, treespec = _flatten(_pending.finished(tree))
     for leaf_path, leaf in zip(paths, leaves):
         # Exact types: subclasses (IntEnum, numpy.float64) would not pass weights_only loading.
         if not (isinstance(leaf, torch.Tensor) or type(leaf) in _SCALARS):

@@ -13,6 +13,7 @@ import optree
 import torch
 import torch.distributed as dist
 
+from fddp import _pending
 from fddp._tree import path_str
 from fddp._zero import ShardedState
 from fddp.typing import TensorTree
@@ -128,7 +129,7 @@ def save_sharded(
         >>> back["params"]["w"]
         tensor([1., 1., 1.])
     """
-    entries = _entries(tree)
+    entries = _entries(_pending.finished(tree))
     for key, leaf, _ in entries:
         _check_leaf(key, leaf)
     n, group = _world(group)

@@ -18,7 +18,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp import _axes, _replicas, _runtime, _timeline
+from fddp import _axes, _pending, _replicas, _runtime, _timeline
 from fddp._agree import find_difference
 from fddp._collectives import ProcessAxis, process_axis
 from fddp._errors import (
@@ -29,6 +29,7 @@ from fddp._errors import (
     UsageError,
     UsageValueError,
 )
+from fddp._schedule import _trial
 from fddp._schedule._capture import Captured, DynamoCapture, trace_with_make_fx
 from fddp._schedule._pipeline import Options, Program, schedule_graph
 from fddp._schedule._plan import Schedule
@@ -89,7 +90,7 @@ class _Entry:
 
     def run(self, tensors: list[torch.Tensor]) -> Any:
         graph_inputs = [tensors[i] if isinstance(i, int) else i for i in self.captured.inputs]
-        results = self.program.run(graph_inputs)
+        results = (self.program.across_steps or self.program.run)(graph_inputs)
         outputs = self.captured.outputs
         assert outputs is not None  # a Dynamo capture learns them in run_first
         leaves = [
@@ -183,6 +184,7 @@ class DataParallelStep:
         self._warned: set[str] = set()
         self._replicas_checks_left = 2
         self._fed_back: dict[int, tuple[weakref.ref, _Origin]] = {}
+        self._side_group: dist.ProcessGroup | None = None
         self.retraces = 0
         # Inside a user's torch.compile the step runs as one opaque call. Wrapped here, not at
         # class definition, so that importing fddp does not import Dynamo.
@@ -224,6 +226,8 @@ class DataParallelStep:
 
     def _call(self, args: tuple) -> Any:
         _runtime.ensure_group()
+        if not self._options.overlap_steps:
+            args = _pending.finished(args)
         signature, leaves = signature_of(args)
         if self._replicas_checks_left == 2 or not self._trace:
             self._check_replicas(args)
@@ -263,7 +267,7 @@ class DataParallelStep:
                 self._lines.clear()
             self._lines[signature] = portable_lines(signature, args)
         lines, digest = self._lines[signature]
-        difference = find_difference(lines, self._group, known_digest=digest)
+        difference = find_difference(lines, self._agreement_group(), known_digest=digest)
         if difference is not None:
             raise ScheduleMismatchError(
                 f"{self.__name__}: ranks were called with different arguments: {difference}. "
@@ -271,6 +275,29 @@ class DataParallelStep:
                 "non-tensor values in every step, the last batch of an epoch included: drop "
                 "it, or pad it to the full size and mask the padding in the loss."
             )
+
+    def _agreement_group(self) -> dist.ProcessGroup | None:
+        """The group the per-call signature check runs on. With ``overlap_steps`` the last
+        call's buckets may still be on the wire: a check queued behind them on the same group
+        would wait for them before this call could start, so it gets a group of its own."""
+        if not self._options.overlap_steps:
+            return self._group
+        if self._side_group is None:
+            ranks = dist.get_process_group_ranks(self._group or dist.group.WORLD)
+            self._side_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        return self._side_group
+
+    def _share_choice(self, mine: bool) -> bool:
+        """Rank 0's ``mine``, on every rank."""
+        if self._world() == 1:
+            return mine
+        group = self._agreement_group()
+        choice = torch.tensor([int(mine)])
+        dist.broadcast(choice, src=dist.get_process_group_ranks(group)[0], group=group)
+        _runtime.log_rank0(
+            "data_parallel: %s overlaps across steps: %s", self.__name__, bool(choice)
+        )
+        return bool(choice)
 
     def _replicated_args(self, args: tuple) -> list[int]:
         return [n % len(args) for n in self._replicated_argnums if -len(args) <= n < len(args)]
@@ -348,6 +375,10 @@ class DataParallelStep:
         """
         entry = self._entry_for(args, "schedule()")
         schedule = entry.program.schedule
+        if entry.program.across_steps is not None and entry.program.across_steps.trial:
+            schedule = dataclasses.replace(
+                schedule, across_steps=entry.program.across_steps.describe()
+            )
         if entry.varying_outputs is None:
             return schedule
         paths = _output_paths(entry.captured.out_spec)
@@ -425,6 +456,11 @@ class DataParallelStep:
             captured.method,
             program.schedule,
         )
+        across = program.across_steps
+        if across is not None:
+            across.where = self.__name__
+            always = self._options.overlap_steps == "always"
+            across.trial = _trial.Trial(self._share_choice, always=always)
         self._cache[signature] = entry
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
@@ -522,6 +558,7 @@ def data_parallel(
     trace: bool = True,
     check_replicas: bool | Sequence[int] = True,
     cache_size: int = 16,
+    overlap_steps: bool | str = False,
 ) -> Any:
     """Turn a pure training step into one replicated over the ranks of a process group.
 
@@ -554,6 +591,19 @@ def data_parallel(
         cache_size: how many compiled programs (one per input signature) are kept; the least
             recently used is dropped beyond that. A leaf that keeps changing is named in a
             ``RetraceWarning``.
+        overlap_steps: return before the last buckets are reduced. The buckets launched last
+            (the first layers' gradients, about half the bytes) are launched last-first at
+            the end of the backward pass, and their waits and the updates that need them
+            move into the next call, each just before the first use of its result: the next
+            forward runs its first layers while the rest is still on the wire. The outputs
+            they produce come back as tensors that are completed when passed to the next
+            call or touched in any other way (an operator, ``print``, ``.item()``,
+            ``fddp.save``, ``fddp.block_until_ready``); results are bitwise those of the
+            plain step. True measures the plain and the deferred step on the first 10 calls
+            and keeps the faster (rank 0 decides; ``schedule()`` says which); ``"always"``
+            defers on every call. It pays when communication is the bottleneck; touching an
+            output every step (``loss.item()``) makes the step wait for it. Needs
+            ``compile=False``.
 
     Returns:
         A callable with ``step_fn``'s signature, with ``.schedule(*args)`` for the plan.
@@ -579,6 +629,7 @@ def data_parallel(
             trace=trace,
             check_replicas=check_replicas,
             cache_size=cache_size,
+            overlap_steps=overlap_steps,
         )
     if (bucket_cap_mb is not None and bucket_cap_mb <= 0) or first_bucket_cap_mb <= 0:
         raise ValueError("bucket_cap_mb and first_bucket_cap_mb must be positive (MiB).")
@@ -586,11 +637,18 @@ def data_parallel(
         raise ValueError(f"compile={compile!r}: use False (run the FX graph) or True/'inductor'.")
     if cache_size < 1:
         raise ValueError(f"cache_size={cache_size}: keep at least one compiled program.")
+    if overlap_steps not in (False, True, "always"):
+        raise ValueError(f"overlap_steps={overlap_steps!r}: use False, True or 'always'.")
+    if overlap_steps and compile not in (False, "fx"):
+        raise ValueError(
+            "overlap_steps runs the scheduled graph without Inductor: use compile=False."
+        )
     options = Options(
         bucket_cap_bytes=None if bucket_cap_mb is None else int(bucket_cap_mb * 2**20),
         first_bucket_cap_bytes=int(first_bucket_cap_mb * 2**20),
         comm_dtype=comm_dtype,
         compile=compile,
+        overlap_steps=overlap_steps,
     )
     donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
     return DataParallelStep(

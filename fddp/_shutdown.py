@@ -48,6 +48,12 @@ def _shutdown() -> None:
     reference a worker still drops takes the GIL normally.
     """
     if dist.is_initialized():
+        from fddp import _pending  # imports _runtime, which imports this module
+
+        try:
+            _pending.complete_all()  # overlap_steps outputs still waiting for their buckets
+        except Exception:
+            logger.warning("fddp: a pending step output failed to complete at exit", exc_info=True)
         try:
             dist.destroy_process_group()
         except Exception:

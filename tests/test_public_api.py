@@ -16,6 +16,7 @@ PUBLIC = {
     "all_gather",
     "axis_index",
     "axis_size",
+    "block_until_ready",
     "broadcast",
     "data",
     "data_parallel",

@@ -212,7 +212,7 @@ def split_foreach(graph: fx.Graph) -> int:
     return split
 
 
-def _dependencies(nodes: list[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
+def dependencies(nodes: list[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
     """What must run before each node: its inputs and, through in-place writes, the earlier
     readers and writer of a storage it writes and the last writer of one it reads."""
     deps: dict[fx.Node, list[fx.Node]] = {}
@@ -243,7 +243,7 @@ def order_by_bucket(graph: fx.Graph) -> None:
     need = _buckets_needed(graph)
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    deps = _dependencies(nodes)
+    deps = dependencies(nodes)
     key: dict[fx.Node, int] = {}
     for node in nodes:
         key[node] = max([need[node], *(key[d] for d in deps[node])])
@@ -301,7 +301,7 @@ def bound_sharding_collectives(graph: fx.Graph, limit: int = SHARDING_IN_FLIGHT)
     finished (summed to this rank's shard, or added to the parameters), so its buffers die.
     """
     nodes = list(graph.nodes)
-    deps = _dependencies(nodes)
+    deps = dependencies(nodes)
     users: dict[fx.Node, list[fx.Node]] = {n: [] for n in nodes}
     for node, before in deps.items():
         for d in before:

@@ -8,7 +8,15 @@ import dataclasses
 import torch
 from torch import fx
 
-from fddp._schedule import _backend, _bucket, _overlap, _plan, _reinplace, _replication
+from fddp._schedule import (
+    _across_steps,
+    _backend,
+    _bucket,
+    _overlap,
+    _plan,
+    _reinplace,
+    _replication,
+)
 from fddp._schedule._capture import Captured
 
 
@@ -18,6 +26,7 @@ class Options:
     first_bucket_cap_bytes: int
     comm_dtype: torch.dtype | None
     compile: bool | str
+    overlap_steps: bool | str = False  # True: measured on the first calls; "always"
 
 
 @dataclasses.dataclass
@@ -32,6 +41,7 @@ class Program:
     run: _backend.Runner
     output_dependencies: list[int]
     rank_bit: int
+    across_steps: _across_steps.AcrossSteps | None = None  # overlap_steps=True, if any wait
 
 
 def schedule_graph(captured: Captured, options: Options, donated: set[int]) -> Program:
@@ -54,17 +64,20 @@ def schedule_graph(captured: Captured, options: Options, donated: set[int]) -> P
     if in_place:
         _bucket.pack_concatenations_in_place(graph)
     _overlap.overlap(graph)
+    across_steps = None
     if in_place:
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        donated_nodes = {
-            node
-            for node, source in zip(placeholders, captured.inputs)
-            if isinstance(source, int) and source in donated
-        }
-        _reinplace.reinplace(graph, donated_nodes)
+        is_donated = [isinstance(s, int) and s in donated for s in captured.inputs]
+        if options.overlap_steps:
+            gm.recompile()
+            across_steps = _across_steps.AcrossSteps(gm, is_donated)
+            across_steps = across_steps if across_steps.active else None
+        _reinplace.reinplace(graph, {n for n, d in zip(placeholders, is_donated) if d})
     graph.lint()
     gm.recompile()
     plan = _plan.describe(graph, bucket_nodes, captured.seconds, captured.method)
     runner = _backend.build(gm, options.compile)
+    if across_steps is not None:
+        across_steps.plain = runner
     sequence = _plan.collective_sequence(graph)
-    return Program(gm, plan, sequence, runner, output_dependencies, rank_bit)
+    return Program(gm, plan, sequence, runner, output_dependencies, rank_bit, across_steps)

@@ -47,6 +47,7 @@ class Schedule:
     capture_seconds: float
     captured_with: str = "make_fx"  # or "dynamo", for steps make_fx cannot trace
     replication: tuple[tuple[str, str], ...] = ()  # (output leaf, "replicated" or why per-rank)
+    across_steps: str = ""  # with overlap_steps: what is deferred to the next call, and if it is
 
     @property
     def buckets(self) -> tuple[CollectivePlan, ...]:
@@ -70,6 +71,8 @@ class Schedule:
             f"{self.compute_nodes} compute nodes; captured with {self.captured_with} in "
             f"{self.capture_seconds:.2f} s"
         )
+        if self.across_steps:
+            rows.append(self.across_steps)
         if self.replication:
             rows.append("outputs:")
             rows.extend(f"  {path:<30} {how}" for path, how in self.replication)
