@@ -62,6 +62,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--zero", action="store_true", help="also sharded optimizer state: shard_state vs ZeRO"
     )
+    p.add_argument(
+        "--overlap", action="store_true", help="also fddp with overlap_steps=True (fddp+overlap)"
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the per-variant memory runs")
     p.add_argument("--memory-steps", type=int, default=5)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -86,18 +89,21 @@ class Spec:
     compile: bool = False
     donate: bool = True
     zero: bool = False  # optimizer state sharded: shard_state / ZeroRedundancyOptimizer
+    overlap: bool = False  # fddp's overlap_steps=True
 
     @classmethod
     def from_name(cls, name: str) -> Spec:
         """The spec of a plain variant name: ``fddp``, ``ddp@5``, ``fddp+zero``..."""
         name, zero = name.removesuffix("+zero"), name.endswith("+zero")
+        name, overlap = name.removesuffix("+overlap"), name.endswith("+overlap")
         kind, _, mb = name.partition("@")
-        return cls(kind, float(mb) if mb else None, zero=zero)
+        return cls(kind, float(mb) if mb else None, zero=zero, overlap=overlap)
 
     @property
     def name(self) -> str:
         name = self.kind + ("" if self.bucket_mb is None else f"@{self.bucket_mb:g}")
         name += "" if self.donate else "-nodonate"
+        name += "+overlap" if self.overlap else ""
         return name + ("+compile" if self.compile else "") + ("+zero" if self.zero else "")
 
 
@@ -110,6 +116,7 @@ class Variant:
     step: Callable[[Batch], None]
     info: Callable[[], dict[str, Any]] = dict
     parameters: Callable[[], dict[str, torch.Tensor] | None] = lambda: None
+    finish: Callable[[], None] = lambda: None  # waits for what a step left in flight
 
 
 def variant_specs(args: argparse.Namespace) -> tuple[Spec, ...]:
@@ -122,6 +129,8 @@ def variant_specs(args: argparse.Namespace) -> tuple[Spec, ...]:
         main += [Spec("fddp", compile=True), Spec("ddp", compile=True)]
     if args.zero:
         main += [Spec("fddp", zero=True), Spec("ddp", zero=True)]
+    if args.overlap:
+        main.insert(1, Spec("fddp", overlap=True))
     sweep = []
     if args.sweep:
         sizes = [float(s) for s in args.sweep_mb.split(",")]
@@ -205,6 +214,7 @@ def fddp_(spec: Spec, workload: Workload, device: torch.device) -> Variant:
         _pure_step(model, workload, opt, average_grads=not spec.zero),
         compile=spec.compile,
         donate_argnums=(0, 1) if spec.donate else (),
+        overlap_steps=spec.overlap,
         **kwargs,
     )
     seen: dict[str, Any] = {}  # the first call's seconds, the last batch
@@ -232,7 +242,10 @@ def fddp_(spec: Spec, workload: Workload, device: torch.device) -> Variant:
             "plan": str(plan),
         }
 
-    return Variant(step, info, parameters=lambda: dict(state[0]))
+    def finish() -> None:
+        state[:] = fddp.block_until_ready(state)
+
+    return Variant(step, info, parameters=lambda: dict(state[0]), finish=finish)
 
 
 def _pure_step(
@@ -341,6 +354,10 @@ def time_variants(job: Job, workload: Workload, device: torch.device) -> dict[st
             for i in range(job.block):
                 batch = batches[(r * job.block + i) % len(batches)]
                 step_s = _timed(built[spec.name], batch, device)
+                if i == job.block - 1:  # the next variant gets an idle wire
+                    start = time.perf_counter()
+                    built[spec.name].finish()
+                    step_s += time.perf_counter() - start
                 if r >= 0:
                     times[spec.name].append(step_s)
             if r >= 0:
@@ -386,6 +403,10 @@ def _parity(built: dict[str, Variant], specs: dict[str, Spec]) -> dict[str, floa
         if ref is None or params is None or specs[n].kind == "local" or n == "ddp":
             continue
         out[n] = max((params[k] - ref[k]).abs().max().item() for k in ref)
+    if "fddp+overlap" in built and "fddp" in built:  # the same steps on the same batches
+        a, b = built["fddp+overlap"].parameters(), built["fddp"].parameters()
+        assert a is not None and b is not None
+        out["fddp+overlap == fddp (bitwise)"] = float(all(torch.equal(a[k], b[k]) for k in b))
     return out
 
 

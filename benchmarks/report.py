@@ -72,6 +72,8 @@ def _ratios(raw: dict[str, Any], med: dict[str, float], best: dict[str, str], bo
         "fddp+compile/ddp+compile": ("fddp+compile", "ddp+compile"),
         "fddp+zero/fddp": ("fddp+zero", "fddp"),
         "fddp+zero/ddp+zero": ("fddp+zero", "ddp+zero"),
+        "fddp+overlap/fddp": ("fddp+overlap", "fddp"),
+        "fddp+overlap/ddp": ("fddp+overlap", "ddp"),
     }
     out: dict[str, float] = {}
     for key, (a, b) in pairs.items():
@@ -249,7 +251,8 @@ def headline(results: dict[str, Any]) -> str:
             )
         title = f"**{_regime_title(name, regime)}** — median ms per step, ratios of medians"
         parts.append(title + "\n\n" + _table(head, rows))
-        parts += [t for t in (_compile_table(regime), _zero_table(regime)) if t]
+        tables = (_compile_table(regime), _zero_table(regime), _overlap_table(regime))
+        parts += [t for t in tables if t]
     return "\n\n".join(parts)
 
 
@@ -294,6 +297,31 @@ def _zero_table(regime: dict[str, Any]) -> str:
             ]
         )
     title = "Sharded optimizer state (ZeRO-1), median ms per step"
+    return title + "\n\n" + _table(head, rows) if rows else ""
+
+
+def _overlap_table(regime: dict[str, Any]) -> str:
+    head = ["workload", "fddp", "fddp overlap_steps=True", "ratio", "/DDP", "bitwise"]
+    rows = []
+    for wl, s in regime["summary"].items():
+        r, q = s["rows"], s["ratios"]
+        if "fddp+overlap" not in r:
+            continue
+        bitwise = s["parity"].get("fddp+overlap == fddp (bitwise)")
+        rows.append(
+            [
+                wl,
+                f"{r['fddp']['median_ms']:.1f}",
+                f"{r['fddp+overlap']['median_ms']:.1f}",
+                f"{q['fddp+overlap/fddp']:.2f} (paired {q['fddp+overlap/fddp (paired)']:.2f})",
+                f"{q['fddp+overlap/ddp']:.2f}",
+                "—" if bitwise is None else ("yes" if bitwise else "NO"),
+            ]
+        )
+    title = (
+        "Overlap across steps (`overlap_steps=True`), median ms per step; each block ends by "
+        "completing what its last step left in flight, timed into that step"
+    )
     return title + "\n\n" + _table(head, rows) if rows else ""
 
 
@@ -468,6 +496,9 @@ def _command(cfg: dict[str, Any]) -> str:
     flags += [f"--link {cfg['link']}"] if cfg["link"] else []
     flags += ["--compile"] if cfg["compile"] else []
     flags += ["--zero"] if cfg.get("zero") else []
+    flags += ["--overlap"] if cfg.get("overlap") else []
+    flags += [f"--block {cfg['block']}"] if cfg.get("block", 2) != 2 else []
+    flags += [f"--warmup {cfg['warmup']}"] if cfg.get("warmup", 3) != 3 else []
     flags += ["--no-loopback"] if cfg["no_loopback"] else []
     return "python benchmarks/compare_ddp.py " + " ".join(flags)
 

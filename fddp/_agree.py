@@ -39,10 +39,22 @@ def digest(lines: Sequence[Line]) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "little")
 
 
+class DigestCheck:
+    """One all-reduce of a digest, in flight: :meth:`same` waits and says if all ranks agree."""
+
+    def __init__(self, value: int, group: dist.ProcessGroup | None) -> None:
+        self.value = value
+        self._bounds = torch.tensor([value, -value], dtype=torch.int64)
+        self._work = dist.all_reduce(self._bounds, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+    def same(self) -> bool:
+        assert self._work is not None
+        self._work.wait()
+        return int(self._bounds[0]) == self.value == -int(self._bounds[1])
+
+
 def _same_everywhere(value: int, group: dist.ProcessGroup | None) -> bool:
-    bounds = torch.tensor([value, -value], dtype=torch.int64)
-    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
-    return int(bounds[0]) == value == -int(bounds[1])
+    return DigestCheck(value, group).same()
 
 
 def _first_difference(everyone: list[list[Line]]) -> Difference:
@@ -78,6 +90,12 @@ def find_difference(
     value = digest(lines) if known_digest is None else known_digest
     if _same_everywhere(value, group):
         return None
+    return gather_difference(lines, group)
+
+
+def gather_difference(lines: Sequence[Line], group: dist.ProcessGroup | None) -> Difference:
+    """The first difference, once every rank knows that the digests differ (an all-gather of
+    the lines)."""
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, [tuple(line) for line in lines], group=group)
     return _first_difference([[tuple(line) for line in theirs] for theirs in everyone])

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fddp import _axes, _pending, _replicas, _runtime, _timeline
-from fddp._agree import find_difference
+from fddp._agree import DigestCheck, find_difference, gather_difference
 from fddp._collectives import ProcessAxis, process_axis
 from fddp._errors import (
     RankFailureError,
@@ -29,7 +29,7 @@ from fddp._errors import (
     UsageError,
     UsageValueError,
 )
-from fddp._schedule import _trial
+from fddp._schedule import _gate
 from fddp._schedule._capture import Captured, DynamoCapture, trace_with_make_fx
 from fddp._schedule._pipeline import Options, Program, schedule_graph
 from fddp._schedule._plan import Schedule
@@ -150,6 +150,10 @@ def _output_paths(spec: optree.PyTreeSpec) -> list[str]:
     return leaf_paths(dummy)
 
 
+def _settled() -> None:
+    """The signature check of a world of one."""
+
+
 class DataParallelStep:
     """A replicated training step; call it like the step it wraps."""
 
@@ -231,9 +235,9 @@ class DataParallelStep:
         signature, leaves = signature_of(args)
         if self._replicas_checks_left == 2 or not self._trace:
             self._check_replicas(args)
-        if self._world() > 1:
-            self._agree_on_signature(signature, args)
+        check = self._check_signature(signature, args) if self._world() > 1 else _settled
         if not self._trace:
+            check()
             with _axes.bind(self._axis()):
                 return self._step_fn(*args)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -241,40 +245,56 @@ class DataParallelStep:
             self._refuse_varying_feedback(args)
         entry = self._cache.get(signature)
         if entry is None:
+            check()  # before the capture agreement's collectives
             entry = self._compile(signature, args, tensors)
         self._cache.move_to_end(signature)
         if entry.varying_tensors is None:
+            check()
             self._learn_replication(entry, args, tensors)
         if entry.captured.outputs is None:
+            check()
             out = entry.run_first(args, tensors, self._axis(traced=True))
         else:
-            with _timeline.step_range() if self._profiling else contextlib.nullcontext():
+            if not entry.program.gated or entry.program.across_steps is not None:
+                check()  # a merged program runs the last call's tail before its gate
+            profiling = _timeline.step_range() if self._profiling else contextlib.nullcontext()
+            with profiling, _gate.armed(check):
                 out = entry.run(tensors)
+        check()  # a step without collectives has no gate
         if entry.varying_outputs is None:
             entry.varying_outputs = entry.output_origins(_tensor_paths(args))
         self._remember_varying(entry, out)
         return out
 
-    def _agree_on_signature(self, signature: Signature, args: tuple) -> None:
+    def _check_signature(self, signature: Signature, args: tuple) -> Callable[[], None]:
         """Every call: one tiny all-reduce checks that all ranks pass the same signature.
 
         Without it a rank whose batch alone changed shape would trace the step again while the
         others run the cached one, and all would wait for the timeout; on the eager path its
-        collectives would mix unrelated leaves.
+        collectives would mix unrelated leaves. The all-reduce is launched here; the returned
+        function settles it (waits, and raises on every rank if they differ), and must run
+        before the step's first collective: the scheduled graph's gate calls it there.
         """
         if signature not in self._lines:
             if len(self._lines) > 4 * self._cache_size:
                 self._lines.clear()
             self._lines[signature] = portable_lines(signature, args)
         lines, digest = self._lines[signature]
-        difference = find_difference(lines, self._agreement_group(), known_digest=digest)
-        if difference is not None:
+        group = self._agreement_group()
+        in_flight: list[DigestCheck] = [DigestCheck(digest, group)]
+
+        def settle() -> None:
+            if not in_flight or in_flight.pop().same():
+                return
+            difference = gather_difference(lines, group)
             raise ScheduleMismatchError(
                 f"{self.__name__}: ranks were called with different arguments: {difference}. "
                 "Every rank must pass arguments of the same structure, shapes, dtypes and "
                 "non-tensor values in every step, the last batch of an epoch included: drop "
                 "it, or pad it to the full size and mask the padding in the loss."
             )
+
+        return settle
 
     def _agreement_group(self) -> dist.ProcessGroup | None:
         """The group the per-call signature check runs on. With ``overlap_steps`` the last
@@ -286,18 +306,6 @@ class DataParallelStep:
             ranks = dist.get_process_group_ranks(self._group or dist.group.WORLD)
             self._side_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
         return self._side_group
-
-    def _share_choice(self, mine: bool) -> bool:
-        """Rank 0's ``mine``, on every rank."""
-        if self._world() == 1:
-            return mine
-        group = self._agreement_group()
-        choice = torch.tensor([int(mine)])
-        dist.broadcast(choice, src=dist.get_process_group_ranks(group)[0], group=group)
-        _runtime.log_rank0(
-            "data_parallel: %s overlaps across steps: %s", self.__name__, bool(choice)
-        )
-        return bool(choice)
 
     def _replicated_args(self, args: tuple) -> list[int]:
         return [n % len(args) for n in self._replicated_argnums if -len(args) <= n < len(args)]
@@ -375,7 +383,7 @@ class DataParallelStep:
         """
         entry = self._entry_for(args, "schedule()")
         schedule = entry.program.schedule
-        if entry.program.across_steps is not None and entry.program.across_steps.trial:
+        if entry.program.across_steps is not None:
             schedule = dataclasses.replace(
                 schedule, across_steps=entry.program.across_steps.describe()
             )
@@ -456,11 +464,8 @@ class DataParallelStep:
             captured.method,
             program.schedule,
         )
-        across = program.across_steps
-        if across is not None:
-            across.where = self.__name__
-            always = self._options.overlap_steps == "always"
-            across.trial = _trial.Trial(self._share_choice, always=always)
+        if program.across_steps is not None:
+            program.across_steps.where = self.__name__
         self._cache[signature] = entry
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
@@ -558,7 +563,7 @@ def data_parallel(
     trace: bool = True,
     check_replicas: bool | Sequence[int] = True,
     cache_size: int = 16,
-    overlap_steps: bool | str = False,
+    overlap_steps: bool = False,
 ) -> Any:
     """Turn a pure training step into one replicated over the ranks of a process group.
 
@@ -599,11 +604,10 @@ def data_parallel(
             they produce come back as tensors that are completed when passed to the next
             call or touched in any other way (an operator, ``print``, ``.item()``,
             ``fddp.save``, ``fddp.block_until_ready``); results are bitwise those of the
-            plain step. True measures the plain and the deferred step on the first 10 calls
-            and keeps the faster (rank 0 decides; ``schedule()`` says which); ``"always"``
-            defers on every call. It pays when communication is the bottleneck; touching an
-            output every step (``loss.item()``) makes the step wait for it. Needs
-            ``compile=False``.
+            plain step. Only for steps where communication is the bottleneck, and measure:
+            it moves half the launches to the end of the backward pass, which costs where
+            the wire had been idle (README, "Overlap across steps"). Touching an output every
+            step (``loss.item()``) makes the step wait for it. Needs ``compile=False``.
 
     Returns:
         A callable with ``step_fn``'s signature, with ``.schedule(*args)`` for the plan.
@@ -637,8 +641,6 @@ def data_parallel(
         raise ValueError(f"compile={compile!r}: use False (run the FX graph) or True/'inductor'.")
     if cache_size < 1:
         raise ValueError(f"cache_size={cache_size}: keep at least one compiled program.")
-    if overlap_steps not in (False, True, "always"):
-        raise ValueError(f"overlap_steps={overlap_steps!r}: use False, True or 'always'.")
     if overlap_steps and compile not in (False, "fx"):
         raise ValueError(
             "overlap_steps runs the scheduled graph without Inductor: use compile=False."

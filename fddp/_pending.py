@@ -11,10 +11,11 @@ one collective.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import optree
@@ -35,28 +36,41 @@ class Deferred:
         self.key = key  # the merged programs that can consume this tail are cached under it
         self.where = where
         self.results: list | None = None
+        self.failure: BaseException | None = None
         self.lock = threading.RLock()  # one of complete() and the next call consumes the tail
         self.outputs: list[weakref.ref] = []  # its PendingTensors
         _live.add(self)
 
     @property
     def done(self) -> bool:
-        return self.results is not None
+        return self.results is not None or self.failure is not None
 
     def complete(self) -> None:
         """Wait for the deferred all-reduces and run the updates that need them."""
         with self.lock:
-            if self.results is not None:
+            if self.done:
                 return
             assert self.carried is not None
             start = time.monotonic()
-            try:
-                results = self.tail(self.carried)
-            except RuntimeError as e:
-                if isinstance(e, RankFailureError) or not _runtime.is_peer_failure(e):
-                    raise
-                raise _runtime.peer_failure(e, self.where, time.monotonic() - start) from e
+            with self.consuming():
+                try:
+                    results = self.tail(self.carried)
+                except RuntimeError as e:
+                    if isinstance(e, RankFailureError) or not _runtime.is_peer_failure(e):
+                        raise
+                    raise _runtime.peer_failure(e, self.where, time.monotonic() - start) from e
             self.finish(results)
+
+    @contextlib.contextmanager
+    def consuming(self) -> Iterator[None]:
+        """Run the tail (here, or inside the next call) once: if it fails part-way, what it
+        carried may be half updated, so its outputs raise from then on."""
+        try:
+            yield
+        except BaseException as e:
+            self.failure, self.carried = e, None
+            _live.discard(self)
+            raise
 
     def finish(self, results: list) -> None:
         """Record results computed elsewhere (by the next call, which consumed the tail)."""
@@ -65,6 +79,12 @@ class Deferred:
 
     def value(self, index: int) -> torch.Tensor:
         self.complete()
+        if self.failure is not None:
+            raise RuntimeError(
+                f"this tensor is an output of {self.where} whose deferred updates failed "
+                f"({type(self.failure).__name__}: {self.failure}); it has no value. Restart from "
+                "the last checkpoint."
+            ) from self.failure
         assert self.results is not None
         result = self.results[index]
         if result is _DONATED:

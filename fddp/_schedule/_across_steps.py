@@ -1,8 +1,9 @@
 """Overlap across steps: the last buckets' waits and updates run in the next call.
 
 A scheduled step (before reinplacing) is cut in two. The *tail* is every node that needs the
-result of a deferrable wait (one whose dependents, through data and in-place writes, launch no
-collective and write no input); the *head* is the rest. The head runs in this call and returns
+result of the waits of the collectives launched last (up to half the bytes, each deferrable:
+its dependents, through data and in-place writes, launch no collective and write no input);
+the *head* is the rest. The head runs in this call and returns
 the ready outputs and the values the tail needs (carried); the deferred outputs are returned as
 :class:`~fddp._pending.PendingTensor`. When they come back as arguments of the next call, that
 call runs a *merged* program: the tail prepended to the step, each tail node sunk to just before
@@ -10,15 +11,21 @@ its first use, so a layer's update runs right before its forward needs it and th
 all-reduces of the previous call overlap with the forward up to there. The tail runs the same
 operators on the same values either way, so the results are bitwise those of the plain step.
 
-Within a head, the first bucket launched (the last layers' gradients, needed last by the next
-forward) is launched after all the others, so that the first layers' gradients are not queued
-behind it on the wire.
+Within a head, the deferred collectives are launched after all the others and in reverse
+order: they carry the first layers' gradients, which the backward pass produces last and the
+next forward needs first, each layer before the next. Launched last-first they arrive in that
+order, and the forward runs layer by layer while the rest is still on the wire (P3's priority,
+as a static order: every rank must launch the same collectives in the same order).
+
+What it buys is bounded by the data dependencies: the next forward cannot finish before every
+bucket of this step has arrived, and the next backward produces nothing to send before it has
+run one layer, so the wire idles at least for the forward's last layers and one layer of
+backward per step.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +35,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from fddp._pending import _DONATED, Deferred, PendingTensor, _finished, complete_orphans
-from fddp._schedule import _backend, _reinplace, _trial
+from fddp._schedule import _backend, _reinplace
 from fddp._schedule._graph import alias_root, is_collective, is_wait, mutated_inputs, nbytes
 from fddp._schedule._overlap import dependencies
 
@@ -321,9 +328,6 @@ class AcrossSteps:
         cache_size: int = 4,
     ) -> None:
         self.where = "the data_parallel step"
-        # Set by the caller before the first call: the plain step, and the trial that decides.
-        self.plain: Callable[[list], list] | None = None
-        self.trial: _trial.Trial | None = None
         self._step = copy_graph(step)
         self._donated = donated
         self._cache_size = cache_size
@@ -337,19 +341,11 @@ class AcrossSteps:
         return self._first is not None
 
     def __call__(self, inputs: list) -> list:
-        assert self._first is not None and self.trial is not None and self.plain is not None
-        start = time.perf_counter()
+        assert self._first is not None
         complete_orphans()
-        merged: bool | None = False
-        if not self.trial.defer():
-            results = self.plain([_finished(x) for x in inputs])
-        else:
-            consumed = self._deferred_call(inputs)
-            merged = True if consumed is not None else None
-            if consumed is None:
-                consumed = self._first.run([_finished(x) for x in inputs], self, self.where)
-            results = consumed
-        self.trial.record(merged, time.perf_counter() - start)
+        results = self._deferred_call(inputs)
+        if results is None:
+            results = self._first.run([_finished(x) for x in inputs], self, self.where)
         return results
 
     def _deferred_call(self, inputs: list) -> list | None:
@@ -363,8 +359,8 @@ class AcrossSteps:
             return None if deferred.done else self._merged_call(inputs, live, deferred)
 
     def describe(self) -> str:
-        """One line for the schedule: what is deferred, and whether it is."""
-        assert self._first is not None and self.trial is not None
+        """One line for the schedule: what is deferred."""
+        assert self._first is not None
         launches = [n for n in self._first.head_graph.graph.nodes if is_collective(n)]
         later = [n for n in launches if not any(is_wait(u) for u in n.users)]
         mib = sum(map(nbytes, later)) / 2**20
@@ -372,7 +368,7 @@ class AcrossSteps:
         return (
             f"overlap across steps: the last {len(later)} of {len(launches)} collectives "
             f"({mib:.2f} of {total:.2f} MiB) launched last-first, their waits and updates in "
-            f"the next call; {self.trial.describe()}"
+            "the next call"
         )
 
     def _merged_call(
@@ -391,7 +387,8 @@ class AcrossSteps:
             while len(self._merged) > self._cache_size:
                 self._merged.pop(next(iter(self._merged)))
         rest = [_finished(x) for i, x in enumerate(inputs) if i not in feed]
-        results = stage.run(deferred.carried + rest, self, self.where)
+        with deferred.consuming():
+            results = stage.run(deferred.carried + rest, self, self.where)
         count = len(results) - len(emit)
         finished: list[Any] = [_DONATED] * len(producer.deferred)
         for j, k in enumerate(emit):

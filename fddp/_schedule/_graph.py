@@ -52,6 +52,8 @@ def is_compute(node: fx.Node) -> bool:
     """A node that does real work: not a placeholder, output, collective, wait or view."""
     if node.op != "call_function" or is_collective(node) or is_wait(node):
         return False
+    if getattr(node.target, "_fddp_gate", False):
+        return False
     name = getattr(node.target, "__name__", "")
     return name.split(".")[0] not in _BOOKKEEPING
 

@@ -12,6 +12,7 @@ from fddp._schedule import (
     _across_steps,
     _backend,
     _bucket,
+    _gate,
     _overlap,
     _plan,
     _reinplace,
@@ -26,7 +27,7 @@ class Options:
     first_bucket_cap_bytes: int
     comm_dtype: torch.dtype | None
     compile: bool | str
-    overlap_steps: bool | str = False  # True: measured on the first calls; "always"
+    overlap_steps: bool = False
 
 
 @dataclasses.dataclass
@@ -42,6 +43,7 @@ class Program:
     output_dependencies: list[int]
     rank_bit: int
     across_steps: _across_steps.AcrossSteps | None = None  # overlap_steps=True, if any wait
+    gated: bool = False  # a gate settles the call's signature check before the first collective
 
 
 def schedule_graph(captured: Captured, options: Options, donated: set[int]) -> Program:
@@ -65,6 +67,7 @@ def schedule_graph(captured: Captured, options: Options, donated: set[int]) -> P
         _bucket.pack_concatenations_in_place(graph)
     _overlap.overlap(graph)
     across_steps = None
+    gated = in_place and _gate.insert(graph)  # Inductor cannot compile a Python call
     if in_place:
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         is_donated = [isinstance(s, int) and s in donated for s in captured.inputs]
@@ -77,7 +80,5 @@ def schedule_graph(captured: Captured, options: Options, donated: set[int]) -> P
     gm.recompile()
     plan = _plan.describe(graph, bucket_nodes, captured.seconds, captured.method)
     runner = _backend.build(gm, options.compile)
-    if across_steps is not None:
-        across_steps.plain = runner
     sequence = _plan.collective_sequence(graph)
-    return Program(gm, plan, sequence, runner, output_dependencies, rank_bit, across_steps)
+    return Program(gm, plan, sequence, runner, output_dependencies, rank_bit, across_steps, gated)

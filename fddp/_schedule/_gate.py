@@ -1,0 +1,52 @@
+"""The gate before a step's first collective: the call's signature check must have passed.
+
+Every call checks, with one all-reduce of a digest, that all ranks pass arguments of the same
+signature, so that all run the same program. Waiting for that check before the step starts
+would put a round trip between ranks on every call; the check only has to be settled before
+the step's first collective, since a rank running another program could otherwise issue
+mismatched collectives. So the check is launched as the call starts, the forward runs while it
+travels, and a gate node placed just before the first collective settles it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+
+from torch import fx
+
+from fddp._schedule._graph import is_collective
+
+_armed = threading.local()
+
+
+def signature_gate() -> None:
+    """Called by the scheduled graph just before its first collective."""
+    settle = getattr(_armed, "settle", None)
+    if settle is not None:
+        _armed.settle = None
+        settle()
+
+
+signature_gate._fddp_gate = True  # type: ignore[attr-defined]  # not compute (see _graph)
+
+
+@contextlib.contextmanager
+def armed(settle: Callable[[], None]) -> Iterator[None]:
+    """Within the block, the gate runs ``settle`` (once)."""
+    _armed.settle = settle
+    try:
+        yield
+    finally:
+        _armed.settle = None
+
+
+def insert(graph: fx.Graph) -> bool:
+    """Place the gate before the first collective; False if the graph has none."""
+    first = next((n for n in graph.nodes if is_collective(n)), None)
+    if first is None:
+        return False
+    with graph.inserting_before(first):
+        graph.call_function(signature_gate, ())
+    return True
