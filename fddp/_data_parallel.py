@@ -230,9 +230,10 @@ class DataParallelStep:
 
     def _call(self, args: tuple) -> Any:
         _runtime.ensure_group()
-        if not self._options.overlap_steps:
+        signature, leaves = signature_of(args)  # a pending output has its value's signature
+        if not self._options.overlap_steps and any(map(_pending.is_pending, leaves)):
             args = _pending.finished(args)
-        signature, leaves = signature_of(args)
+            leaves = optree.tree_leaves(args)
         if self._replicas_checks_left == 2 or not self._trace:
             self._check_replicas(args)
         check = self._check_signature(signature, args) if self._world() > 1 else _settled

@@ -164,13 +164,17 @@ class PendingTensor(torch.Tensor):
         return self.wait().__reduce_ex__(protocol)
 
 
+def is_pending(x: Any) -> bool:
+    return isinstance(x, PendingTensor)
+
+
 def _finished(x: Any) -> Any:
     return x.wait() if isinstance(x, PendingTensor) else x
 
 
 def finished(tree: Any) -> Any:
     """``tree`` with every pending leaf replaced by its finished tensor."""
-    if not any(isinstance(x, PendingTensor) for x in optree.tree_leaves(tree, none_is_leaf=True)):
+    if not any(map(is_pending, optree.tree_leaves(tree, none_is_leaf=True))):
         return tree
     return optree.tree_map(_finished, tree, none_is_leaf=True)
 

@@ -37,7 +37,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from fddp._pending import _DONATED, Deferred, PendingTensor, _finished, complete_orphans
 from fddp._schedule import _backend, _reinplace
 from fddp._schedule._graph import alias_root, is_collective, is_wait, mutated_inputs, nbytes
-from fddp._schedule._overlap import dependencies
+from fddp._schedule._overlap import dependencies, dependents
 
 # The share of a step's all-reduced bytes, launched last, whose waits and updates are deferred.
 DEFERRED_SHARE = 0.5
@@ -49,10 +49,7 @@ def deferred_nodes(graph: fx.Graph, share: float = DEFERRED_SHARE) -> set[fx.Nod
     them is deferrable (its dependents, through data and in-place writes, launch no
     collective and write no input)."""
     nodes = list(graph.nodes)
-    dependents: dict[fx.Node, list[fx.Node]] = {n: [] for n in nodes}
-    for node, before in dependencies(nodes).items():
-        for d in before:
-            dependents[d].append(node)
+    after = dependents(dependencies(nodes))
     waits = {w.args[0]: w for w in nodes if is_wait(w) and _launched_here(w)}
     launches = [n for n in nodes if n in waits]
     total = sum(nbytes(n) for n in launches)
@@ -61,7 +58,7 @@ def deferred_nodes(graph: fx.Graph, share: float = DEFERRED_SHARE) -> set[fx.Nod
     for launch in reversed(launches):
         if tail and taken + nbytes(launch) > share * total:
             break
-        closure = _closure(waits[launch], dependents)
+        closure = _closure(waits[launch], after)
         closure.discard(nodes[-1])  # the output
         if any(is_collective(n) or _writes_an_input(n) for n in closure):
             break
@@ -75,14 +72,14 @@ def _launched_here(wait: fx.Node) -> bool:
     return isinstance(launch, fx.Node) and is_collective(launch)
 
 
-def _closure(start: fx.Node, dependents: dict[fx.Node, list[fx.Node]]) -> set[fx.Node]:
+def _closure(start: fx.Node, after: dict[fx.Node, list[fx.Node]]) -> set[fx.Node]:
     seen: set[fx.Node] = set()
     stack = [start]
     while stack:
         node = stack.pop()
         if node not in seen:
             seen.add(node)
-            stack.extend(dependents[node])
+            stack.extend(after[node])
     return seen
 
 
@@ -116,12 +113,13 @@ def _cut(gm: fx.GraphModule, donated: list[bool], role: dict[fx.Node, str]) -> _
     placeholders = [n for n in nodes if n.op == "placeholder"]
     outputs = list(nodes[-1].args[0])
     ready = [i for i, x in enumerate(outputs) if not (isinstance(x, fx.Node) and x in tail)]
-    deferred = [i for i in range(len(outputs)) if i not in set(ready)]
+    deferred = sorted(set(range(len(outputs))) - set(ready))
     carried_set = {a for n in tail for a in n.all_input_nodes if a not in tail}
     carried = sorted(carried_set, key=lambda n: role[n])
     keep: set[StorageWeakRef] = set()
     for node, is_donated in zip(placeholders, donated):
-        keep |= set() if is_donated else _storages(node)
+        if not is_donated:
+            keep |= _storages(node)
     for node in nodes:
         if node.op == "get_attr":
             keep |= _storages(node)

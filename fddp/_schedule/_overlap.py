@@ -234,6 +234,15 @@ def dependencies(nodes: list[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
     return deps
 
 
+def dependents(deps: dict[fx.Node, list[fx.Node]]) -> dict[fx.Node, list[fx.Node]]:
+    """The inverse of :func:`dependencies`: what must run after each node."""
+    after: dict[fx.Node, list[fx.Node]] = {n: [] for n in deps}
+    for node, before in deps.items():
+        for d in before:
+            after[d].append(node)
+    return after
+
+
 def order_by_bucket(graph: fx.Graph) -> None:
     """Stable-sort nodes by the last bucket they need, respecting every dependency.
 
@@ -302,10 +311,7 @@ def bound_sharding_collectives(graph: fx.Graph, limit: int = SHARDING_IN_FLIGHT)
     """
     nodes = list(graph.nodes)
     deps = dependencies(nodes)
-    users: dict[fx.Node, list[fx.Node]] = {n: [] for n in nodes}
-    for node, before in deps.items():
-        for d in before:
-            users[d].append(node)
+    users = dependents(deps)
     done: set[fx.Node] = {n for n in nodes if n.op == "placeholder"}
     order: list[fx.Node] = []
     in_flight: collections.deque[fx.Node] = collections.deque()
