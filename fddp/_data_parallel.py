@@ -29,7 +29,7 @@ from fddp._errors import (
     UsageError,
     UsageValueError,
 )
-from fddp._schedule import _gate
+from fddp._schedule import _cost, _gate
 from fddp._schedule._capture import Captured, DynamoCapture, trace_with_make_fx
 from fddp._schedule._pipeline import Options, Program, schedule_graph
 from fddp._schedule._plan import Schedule
@@ -189,6 +189,7 @@ class DataParallelStep:
         self._replicas_checks_left = 2
         self._fed_back: dict[int, tuple[weakref.ref, _Origin]] = {}
         self._side_group: dist.ProcessGroup | None = None
+        self._machine: _cost.Machine | None = None
         self.retraces = 0
         # Inside a user's torch.compile the step runs as one opaque call. Wrapped here, not at
         # class definition, so that importing fddp does not import Dynamo.
@@ -449,9 +450,10 @@ class DataParallelStep:
         self._last_signature = signature
         error: Exception | None = None
         entry: _Entry | None = None
+        machine = self._measured_machine(tensors)  # before a capture error can split the ranks
         try:
             with _axes.bind(self._axis(traced=True)):
-                entry = self._capture(args, tensors)
+                entry = self._capture(args, tensors, machine)
         except UsageError as e:
             error = e
         except Exception as e:  # every rank must learn about it before anyone runs a collective
@@ -500,7 +502,19 @@ class DataParallelStep:
             "the rank."
         )
 
-    def _capture(self, args: tuple, tensors: list[torch.Tensor]) -> _Entry:
+    def _measured_machine(self, tensors: list[torch.Tensor]) -> _cost.Machine | None:
+        """The link and compute figures the default bucket cap is chosen from, measured on the
+        first compile (collective) and kept; None when the cap is set or there is one rank."""
+        if self._options.bucket_cap_bytes is not None or self._world() == 1:
+            return None
+        if self._machine is None:
+            floats = (t.device for t in tensors if t.is_floating_point())
+            self._machine = _cost.measure(self._group, next(floats, torch.device("cpu")))
+        return self._machine
+
+    def _capture(
+        self, args: tuple, tensors: list[torch.Tensor], machine: _cost.Machine | None
+    ) -> _Entry:
         """make_fx first; Dynamo for steps make_fx cannot trace (see ``_capture``)."""
         donated = _donated_leaves(args, self._donate_argnums)
         fused_backward = self._options.compile in (False, "fx")
@@ -517,10 +531,10 @@ class DataParallelStep:
                 str(e).split("\n")[0],
             )
         else:
-            return _Entry(schedule_graph(captured, self._options, donated), captured, None)
+            return _Entry(schedule_graph(captured, self._options, donated, machine), captured, None)
         dynamo = DynamoCapture(self._step_fn, fused_backward=fused_backward)
         captured = dynamo.trace(args, tensors, make_fx_error)
-        return _Entry(schedule_graph(captured, self._options, donated), captured, dynamo)
+        return _Entry(schedule_graph(captured, self._options, donated, machine), captured, dynamo)
 
 
 def _describe_source(source: str) -> str:
@@ -578,10 +592,15 @@ def data_parallel(
         step_fn: ``step(*args) -> outputs``, pure: same inputs, same outputs.
         axis_name: the name collectives inside the step use for this replica axis.
         bucket_cap_mb: bucket size cap in MiB (DDP's ``bucket_cap_mb``): a bucket takes
-            gradients until it holds this many bytes. The default, None, uses a sixteenth of
-            all gradient bytes (at least ``first_bucket_cap_mb``, at most DDP's 25 MiB), about
-            8 to 16 buckets: with each bucket's update running while later buckets are in
-            flight, several mid-sized buckets overlap better than DDP's few large ones.
+            gradients until it holds this many bytes. The default, None, chooses it at the
+            first compile from a cost model: the link's latency and bandwidth and the compute
+            speed are measured (rank 0's figures, broadcast, so every rank makes the same
+            choice) and the step's graph replayed for each candidate cap. Unless the model sees
+            a difference of more than 5 %, the cap is a sixteenth of all gradient bytes (at
+            least ``first_bucket_cap_mb`` and five link latencies' worth of transfer, at most
+            DDP's 25 MiB). ``schedule()`` prints the choice and the figures. On more than two
+            ranks the cap can change the order of a gradient's sums (last-bit differences), so
+            set it for bitwise reproducible runs.
         first_bucket_cap_mb: cap of the first bucket, small so communication starts early.
         compile: False runs the scheduled FX graph; True or ``"inductor"`` compiles it.
         donate_argnums: arguments whose storage the step may reuse for its outputs.

@@ -12,6 +12,7 @@ from fddp._schedule import (
     _across_steps,
     _backend,
     _bucket,
+    _cost,
     _gate,
     _overlap,
     _plan,
@@ -46,20 +47,21 @@ class Program:
     gated: bool = False  # a gate settles the call's signature check before the first collective
 
 
-def schedule_graph(captured: Captured, options: Options, donated: set[int]) -> Program:
+def schedule_graph(
+    captured: Captured, options: Options, donated: set[int], machine: _cost.Machine | None = None
+) -> Program:
     """Bucket, overlap and reinplace the captured graph, then build its runner.
 
     ``donated`` holds the indices (into the step's flat tensor arguments) whose storage the
-    program may overwrite.
+    program may overwrite; ``machine``, the measurements the default bucket cap is chosen from
+    (None in a world of one: a sixteenth of the gradient bytes).
     """
     gm = captured.graph
     graph = gm.graph
     output_dependencies, rank_bit = _replication.dependencies(graph)
     _overlap.hoist_gradient_sums(graph)
     members = _bucket.find_members(graph)
-    cap = options.bucket_cap_bytes
-    if cap is None:
-        cap = _bucket.auto_cap(members, options.first_bucket_cap_bytes)
+    cap, cap_reason = _bucket_cap(graph, members, options, machine)
     buckets = _bucket.assign(members, cap, options.first_bucket_cap_bytes)
     in_place = options.compile in (False, None, "fx")
     bucket_nodes = _bucket.rewrite(graph, buckets, options.comm_dtype, functional=not in_place)
@@ -79,6 +81,26 @@ def schedule_graph(captured: Captured, options: Options, donated: set[int]) -> P
     graph.lint()
     gm.recompile()
     plan = _plan.describe(graph, bucket_nodes, captured.seconds, captured.method)
+    plan = dataclasses.replace(plan, bucket_cap=cap_reason if members else "")
     runner = _backend.build(gm, options.compile)
     sequence = _plan.collective_sequence(graph)
     return Program(gm, plan, sequence, runner, output_dependencies, rank_bit, across_steps, gated)
+
+
+def _bucket_cap(
+    graph: fx.Graph,
+    members: list[_bucket.Member],
+    options: Options,
+    machine: _cost.Machine | None,
+) -> tuple[int, str]:
+    """The cap in bytes for the buckets after the first, and a line that says where it came
+    from."""
+    first = options.first_bucket_cap_bytes
+    if options.bucket_cap_bytes is not None:
+        cap = options.bucket_cap_bytes
+        return cap, f"bucket cap {cap / _cost.MIB:g} MiB, set by bucket_cap_mb"
+    if machine is None or not members:
+        cap = _bucket.auto_cap(members, first)
+        return cap, f"bucket cap {cap / _cost.MIB:g} MiB, a sixteenth of the gradient bytes"
+    choice = _cost.choose_cap(graph, members, first, machine)
+    return choice.cap, str(choice)

@@ -47,6 +47,7 @@ class Schedule:
     capture_seconds: float
     captured_with: str = "make_fx"  # or "dynamo", for steps make_fx cannot trace
     replication: tuple[tuple[str, str], ...] = ()  # (output leaf, "replicated" or why per-rank)
+    bucket_cap: str = ""  # the cap and where it came from
     across_steps: str = ""  # with overlap_steps: what is deferred to the next call, and if it is
 
     @property
@@ -71,6 +72,8 @@ class Schedule:
             f"{self.compute_nodes} compute nodes; captured with {self.captured_with} in "
             f"{self.capture_seconds:.2f} s"
         )
+        if self.bucket_cap:
+            rows.append(self.bucket_cap)
         if self.across_steps:
             rows.append(self.across_steps)
         if self.replication:
