@@ -36,7 +36,7 @@ _PROBE_BYTES = (64 * 2**10, 4 * MIB)
 _PROBE_WARMUP = 3
 _PROBE_REPEATS = 7
 _RESOLUTION = 0.05  # predictions closer than this are not told apart
-_LATENCY_SHARE_INVERSE = 5  # a bucket's transfer takes at least 5 latencies
+_LATENCIES_PER_BUCKET = 5  # the rule of thumb's smallest bucket transfers this long
 _NODES_PER_BUCKET = 6  # empty, launch, wait, split and views that each bucket adds
 
 
@@ -91,8 +91,9 @@ def _link(group: dist.ProcessGroup | None, device: torch.device) -> tuple[float,
 
 
 def _compute(device: torch.device) -> tuple[float, float, float]:
-    a = torch.full((384, 384), 0.5, device=device)  # not randn: the user's RNG stays untouched
-    flop = _best_seconds(lambda: a @ a, device, 5) / (2 * 384**3)
+    n = 384 if device.type == "cpu" else 4096  # an accelerator's launch would hide a small one
+    a = torch.full((n, n), 0.5, device=device)  # not randn: the user's RNG stays untouched
+    flop = _best_seconds(lambda: a @ a, device, 5) / (2 * n**3)
     big = torch.full((2**21,), 0.5, device=device)
     moved = _best_seconds(lambda: big + big, device, 5) / (3 * big.numel() * 4)
     tiny = torch.zeros(8, device=device)
@@ -195,8 +196,8 @@ class Choice:
 
 def preferred_cap(members: list[_bucket.Member], first_cap: int, machine: Machine) -> int:
     """A sixteenth of the gradient bytes (``_bucket.auto_cap``), but no smaller than a bucket
-    whose transfer takes ``1 / _LATENCY_SHARE`` times the link's latency."""
-    floor = _LATENCY_SHARE_INVERSE * machine.latency / machine.seconds_per_byte
+    whose transfer takes five times the link's latency."""
+    floor = _LATENCIES_PER_BUCKET * machine.latency / machine.seconds_per_byte
     return min(_bucket.DDP_CAP_BYTES, max(_bucket.auto_cap(members, first_cap), int(floor)))
 
 
@@ -219,7 +220,7 @@ def choose_cap(
     preferred = preferred_cap(members, first_cap, machine)
     predicted = {
         cap: predict(seconds, _bucket.assign(members, cap, first_cap), machine)
-        for cap in {*candidate_caps(members, first_cap), preferred}
+        for cap in sorted({*candidate_caps(members, first_cap), preferred})
     }
     fastest = min(predicted.values())
     near = [c for c, s in predicted.items() if s <= fastest * (1 + _RESOLUTION)]
