@@ -189,7 +189,6 @@ class DataParallelStep:
         self._replicas_checks_left = 2
         self._fed_back: dict[int, tuple[weakref.ref, _Origin]] = {}
         self._side_group: dist.ProcessGroup | None = None
-        self._machine: _cost.Machine | None = None
         self.retraces = 0
         # Inside a user's torch.compile the step runs as one opaque call. Wrapped here, not at
         # class definition, so that importing fddp does not import Dynamo.
@@ -503,14 +502,12 @@ class DataParallelStep:
         )
 
     def _measured_machine(self, tensors: list[torch.Tensor]) -> _cost.Machine | None:
-        """The link and compute figures the default bucket cap is chosen from, measured on the
-        first compile (collective) and kept; None when the cap is set or there is one rank."""
+        """The link and compute figures the default bucket cap is chosen from (measured on the
+        group's first compile, a collective); None when the cap is set or there is one rank."""
         if self._options.bucket_cap_bytes is not None or self._world() == 1:
             return None
-        if self._machine is None:
-            floats = (t.device for t in tensors if t.is_floating_point())
-            self._machine = _cost.measure(self._group, next(floats, torch.device("cpu")))
-        return self._machine
+        floats = (t.device for t in tensors if t.is_floating_point())
+        return _cost.measured(self._group, next(floats, torch.device("cpu")))
 
     def _capture(
         self, args: tuple, tensors: list[torch.Tensor], machine: _cost.Machine | None

@@ -130,13 +130,27 @@ def _default_schedule_line(**options) -> str:
     return fddp.data_parallel(step, **options).schedule(params, batch).bucket_cap
 
 
+def _probes_for_two_steps_on_one_group() -> int:
+    """How many times two steps with default caps measure the link between them."""
+    _cost._measured.clear()
+    real, calls = _cost.measure, []
+    _cost.measure = lambda *args: calls.append(args) or real(*args)
+    try:
+        _default_schedule_line()
+        _default_schedule_line()
+    finally:
+        _cost.measure = real
+    return len(calls)
+
+
 def test_every_rank_takes_rank_0_figures_and_the_same_cap():
-    machines, rng_untouched, chosen, set_by_user = run_checks(
+    machines, rng_untouched, chosen, set_by_user, probes = run_checks(
         [
             _measure_with_rank_dependent_compute,
             _measuring_leaves_the_rng_alone,
             _default_schedule_line,
             functools.partial(_default_schedule_line, bucket_cap_mb=0.5),
+            _probes_for_two_steps_on_one_group,
         ]
     )
     assert machines[0] == machines[1]
@@ -144,3 +158,4 @@ def test_every_rank_takes_rank_0_figures_and_the_same_cap():
     assert machines[0].latency >= 0 and 0 < machines[0].seconds_per_byte < 1e-6
     assert chosen[0] == chosen[1] and "chosen by the cost model" in chosen[0]
     assert set_by_user == ["bucket cap 0.5 MiB, set by bucket_cap_mb"] * 2
+    assert probes == [1, 1]  # once per process group, not once per step

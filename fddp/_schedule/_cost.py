@@ -1,12 +1,12 @@
 """The default bucket cap, chosen from a cost model of this machine and this step.
 
-Measured once per step object, at its first compile: the link (the best of a few all-reduces of
-a small and of a large buffer give a latency and a time per byte) and the compute (a matmul, a
-large elementwise op, many tiny ops). Rank 0's figures are broadcast, so every rank predicts the
-same times and picks the same cap. The prediction replays the captured graph in order: each node
-costs its dispatch plus its FLOPs or its memory traffic, a bucket's all-reduce starts when its
-last gradient is ready and the wire is free, and a node that needs a reduced gradient waits for
-it.
+Measured once per process group, at the first compile of a step on it: the link (the best of
+a few all-reduces of a small and of a large buffer give a latency and a time per byte) and the
+compute (a matmul, a large elementwise op, many tiny ops). Rank 0's figures are broadcast, so
+every rank predicts the same times and picks the same cap. The prediction replays the captured
+graph in order: each node costs its dispatch plus its FLOPs or its memory traffic, a bucket's
+all-reduce starts when its last gradient is ready and the wire is free, and a node that needs a
+reduced gradient waits for it.
 
 The rule of thumb is a sixteenth of the gradient bytes, but no bucket smaller than five
 latencies' worth of transfer. The predictions override it only where they differ by more than
@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import math
 import time
+import weakref
 from collections.abc import Callable
 
 import optree
@@ -115,6 +116,21 @@ def measure(group: dist.ProcessGroup | None, device: torch.device) -> Machine:
     figures = figures.to(device)
     dist.broadcast(figures, group=group, group_src=0)
     return Machine(*(float(x) for x in figures.cpu()))
+
+
+_measured: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[torch.device, Machine]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def measured(group: dist.ProcessGroup | None, device: torch.device) -> Machine:
+    """:func:`measure` once per process group and device (collective the first time)."""
+    key = group if group is not None else dist.group.WORLD
+    assert key is not None  # the caller checked that there are several ranks
+    per_device = _measured.setdefault(key, {})
+    if device not in per_device:
+        per_device[device] = measure(group, device)
+    return per_device[device]
 
 
 def _fake_value(arg: fx.node.Argument) -> object:
