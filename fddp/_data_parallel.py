@@ -589,15 +589,15 @@ def data_parallel(
         step_fn: ``step(*args) -> outputs``, pure: same inputs, same outputs.
         axis_name: the name collectives inside the step use for this replica axis.
         bucket_cap_mb: bucket size cap in MiB (DDP's ``bucket_cap_mb``): a bucket takes
-            gradients until it holds this many bytes. The default, None, chooses it at the
-            first compile from a cost model: the link's latency and bandwidth and the compute
-            speed are measured (rank 0's figures, broadcast, so every rank makes the same
-            choice) and the step's graph replayed for each candidate cap. Unless the model sees
-            a difference of more than 5 %, the cap is a sixteenth of all gradient bytes (at
-            least ``first_bucket_cap_mb`` and five link latencies' worth of transfer, at most
-            DDP's 25 MiB). ``schedule()`` prints the choice and the figures. On more than two
-            ranks the cap can change the order of a gradient's sums (last-bit differences), so
-            set it for bitwise reproducible runs.
+            gradients until it holds this many bytes. The default, None, chooses it at each
+            compile from a cost model: the link's latency and bandwidth and the compute speed
+            are measured once per process group (rank 0's figures, broadcast, so every rank
+            makes the same choice) and the step's graph replayed for each candidate cap.
+            Unless the model sees a difference of more than 5 %, the cap is a sixteenth of all
+            gradient bytes (at least ``first_bucket_cap_mb`` and five link latencies' worth of
+            transfer, at most DDP's 25 MiB). ``schedule()`` prints the choice and the
+            figures. On more than two ranks the cap can change the order of a gradient's sums
+            (last-bit differences), so set it for bitwise reproducible runs.
         first_bucket_cap_mb: cap of the first bucket, small so communication starts early.
         compile: False runs the scheduled FX graph; True or ``"inductor"`` compiles it.
         donate_argnums: arguments whose storage the step may reuse for its outputs.
