@@ -77,7 +77,7 @@ def test_a_high_latency_favours_few_buckets(captured):
     assert _predicted(captured, distant, 4 * MIB) < _predicted(captured, distant, 256 * 1024)
     graph, members = captured
     choice = _cost.choose_cap(graph, members, 64 * 1024, distant)
-    total = sum(_bucket.nbytes(m.source) for m in members)
+    total = _bucket.total_bytes(members)
     assert choice.cap >= total - 64 * 1024  # everything after the first bucket in one
     assert "chosen by the cost model" in str(choice)
 

@@ -84,6 +84,11 @@ def find_members(graph: fx.Graph) -> list[Member]:
     return members
 
 
+def total_bytes(members: list[Member]) -> int:
+    """The bytes of the gradients ``members`` reduce."""
+    return sum(nbytes(m.source) for m in members)
+
+
 DDP_CAP_BYTES = 25 * 2**20
 AUTO_CAP_FRACTION = 16
 
@@ -96,7 +101,7 @@ def auto_cap(members: list[Member], first_cap: int) -> int:
     gradients, nine 4 MiB buckets 144-175 ms a step against 199-236 ms with 25 MiB ones; on
     plain loopback the two were within noise.
     """
-    total = sum(nbytes(m.source) for m in members)
+    total = total_bytes(members)
     return min(DDP_CAP_BYTES, max(first_cap, total // AUTO_CAP_FRACTION))
 
 
@@ -164,7 +169,7 @@ def rewrite(
         result = wait if wire == dtype else chain.add(aten._to_copy.default, wait, dtype=dtype)
         _unpack(chain, graph, bucket, result, divisor is not None)
         chain.fill_meta()
-        out.append(BucketNodes(index, bucket, sum(nbytes(m.source) for m in bucket), launch, wait))
+        out.append(BucketNodes(index, bucket, total_bytes(bucket), launch, wait))
     return out
 
 

@@ -29,7 +29,7 @@ from torch import fx
 from torch.utils.flop_counter import flop_registry
 
 from fddp._schedule import _bucket
-from fddp._schedule._graph import is_collective, is_view, is_wait, nbytes
+from fddp._schedule._graph import is_collective, is_view, is_wait
 
 MIB = 2**20
 _CANDIDATE_CAPS = tuple(int(m * MIB) for m in (0.25, 0.5, 1, 2, 4, 8, 16, 25))
@@ -142,6 +142,20 @@ def _tensor_bytes(node: fx.Node) -> int:
     return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
+def _flops(node: fx.Node) -> float | None:
+    """The node's FLOPs where torch's flop counter knows its op, else None."""
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet not in flop_registry:
+        return None
+    args, kwargs = optree.tree_map(
+        _fake_value, (node.args, node.kwargs), is_leaf=lambda x: isinstance(x, fx.Node)
+    )
+    try:
+        return flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val"))
+    except Exception:  # an overload the counter does not know
+        return None
+
+
 def node_seconds(graph: fx.Graph, machine: Machine) -> list[float]:
     """Predicted seconds of each node of ``graph``, in graph order."""
     out = []
@@ -151,17 +165,10 @@ def node_seconds(graph: fx.Graph, machine: Machine) -> list[float]:
             continue
         seconds = machine.seconds_per_node
         if not is_view(node):
-            args, kwargs = optree.tree_map(
-                _fake_value, (node.args, node.kwargs), is_leaf=lambda x: isinstance(x, fx.Node)
-            )
-            packet = getattr(node.target, "overloadpacket", None)
-            if packet in flop_registry:
-                try:
-                    flops = flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val"))
-                    seconds += flops * machine.seconds_per_flop
-                except Exception:  # an overload the counter does not know: count its bytes
-                    packet = None
-            if packet not in flop_registry:
+            flops = _flops(node)
+            if flops is not None:
+                seconds += flops * machine.seconds_per_flop
+            else:
                 moved = sum(map(_tensor_bytes, node.all_input_nodes)) + _tensor_bytes(node)
                 seconds += moved * machine.seconds_per_byte_moved
         out.append(seconds)
@@ -176,7 +183,7 @@ def predict(seconds: list[float], buckets: list[list[_bucket.Member]], machine: 
     for i, bucket in enumerate(buckets):
         launches.setdefault(max(m.ready for m in bucket), []).append(i)
         waits.setdefault(min(m.first_use for m in bucket), []).append(i)
-        sizes.append(sum(nbytes(m.source) for m in bucket))
+        sizes.append(_bucket.total_bytes(bucket))
     arrival = [0.0] * len(buckets)
     now = wire_free = 0.0
     for position, cost in enumerate(seconds):
@@ -220,7 +227,7 @@ def preferred_cap(members: list[_bucket.Member], first_cap: int, machine: Machin
 def candidate_caps(members: list[_bucket.Member], first_cap: int) -> list[int]:
     """The caps worth predicting: up to the one that puts everything after the first bucket
     in one bucket."""
-    total = sum(nbytes(m.source) for m in members)
+    total = _bucket.total_bytes(members)
     caps = {max(first_cap, c) for c in _CANDIDATE_CAPS if c < total}
     caps.add(max(first_cap, min(total, _bucket.DDP_CAP_BYTES)))
     return sorted(caps)
