@@ -506,8 +506,8 @@ class DataParallelStep:
         group's first compile, a collective); None when the cap is set or there is one rank."""
         if self._options.bucket_cap_bytes is not None or self._world() == 1:
             return None
-        floats = (t.device for t in tensors if t.is_floating_point())
-        return _cost.measured(self._group, next(floats, torch.device("cpu")))
+        device = next((t.device for t in tensors if t.is_floating_point()), None)
+        return _cost.measured(self._group, device or _runtime.local_device())
 
     def _capture(
         self, args: tuple, tensors: list[torch.Tensor], machine: _cost.Machine | None
