@@ -4,11 +4,16 @@ a ResNet-18, with data and loss."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
+from examples.train_cnn import BasicBlock  # the ResNet basic block, written once
 
 SEED = 0
 DATA_SEED = 1234
@@ -99,32 +104,12 @@ def _token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
-class _Basic(nn.Module):
-    """ResNet basic block: two 3x3 conv-BN pairs and a (projected) shortcut."""
-
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.short = nn.Sequential()
-        if stride != 1 or cin != cout:
-            self.short = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-            )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(self.bn2(self.conv2(y)) + self.short(x))
-
-
 def _resnet(stem: list[nn.Module], widths: tuple[int, ...], classes: int) -> nn.Module:
     """``stem``, then a stage of two basic blocks per width (all but the first halve the size),
     global average pooling and a linear head."""
     layers, cin = list(stem), widths[0]
     for i, w in enumerate(widths):
-        layers += [_Basic(cin, w, 1 if i == 0 else 2), _Basic(w, w, 1)]
+        layers += [BasicBlock(cin, w, 1 if i == 0 else 2), BasicBlock(w, w, 1)]
         cin = w
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
     return nn.Sequential(*layers)

@@ -16,7 +16,6 @@ import copy
 
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 from torch import nn
 from tqdm import tqdm
 
@@ -45,6 +44,10 @@ def parse_args() -> argparse.Namespace:
 
 def load_data(seed: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
     """Digits as ``(N, 1, 8, 8)`` floats in [0, 1] and labels, split into train and test."""
+    # Imported here: benchmarks/workloads.py imports BasicBlock and keeps scikit-learn out of
+    # the processes whose memory it measures.
+    from sklearn.datasets import load_digits
+
     digits = load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32)[:, None] / 16.0
     labels = torch.tensor(digits.target, dtype=torch.long)
