@@ -1,8 +1,8 @@
 """Named axes: which replica dimension a collective's ``axis_name`` refers to.
 
 A transform binds a name while it runs the user's function (``data_parallel`` binds it to a
-process group, ``vmap`` to a mapped tensor dimension); collectives look the name up. Outside
-every transform, ``"data"`` means the default process group.
+process group, ``vmap`` to a mapped tensor dimension); collectives look the name up, and outside
+every transform take ``"data"`` to mean the default process group (``_collectives.axis``).
 """
 
 from __future__ import annotations
@@ -56,16 +56,16 @@ def bound_names() -> list[str]:
     return [a.name for a in reversed(_bound)]
 
 
-def lookup(name: str) -> Axis:
-    """The innermost axis bound to ``name``; ``"data"`` falls back to the default group."""
+def find(name: str) -> Axis | None:
+    """The innermost axis bound to ``name``, or None if no transform binds it here."""
     for axis in reversed(_bound):
         if axis.name == name:
             return axis
-    if name == DEFAULT_AXIS:
-        from fddp._collectives import default_process_axis
+    return None
 
-        return default_process_axis()
-    raise ValueError(
+
+def unbound_error(name: str) -> ValueError:
+    return ValueError(
         f"axis name {name!r} is not bound here (bound: {[*bound_names(), DEFAULT_AXIS]}). "
         f"Call the collective inside fddp.data_parallel(..., axis_name={name!r}) or "
         f"fddp.vmap(..., axis_name={name!r}), or use the default axis_name='data'."

@@ -17,10 +17,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.fx.traceback as fx_traceback
 
-from fddp import _axes, _runtime
+from fddp import _annotations, _axes, _runtime
 from fddp._axes import DEFAULT_AXIS
 from fddp._errors import UsageTypeError
-from fddp._schedule._replication import AXIS_INDEX_META
 from fddp._tree import leaves_with_paths, tensor_leaves
 
 if TYPE_CHECKING:
@@ -95,7 +94,8 @@ class ProcessAxis:
         return self.group_size
 
     def index(self) -> torch.Tensor:
-        with fx_traceback.annotate({AXIS_INDEX_META: True}):  # the one value that is per rank
+        # the one value that is per rank by construction
+        with fx_traceback.annotate({_annotations.AXIS_INDEX: True}):
             return torch.tensor(self.group_rank)
 
     def psum(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -180,7 +180,7 @@ def _reduce_scatter(x: torch.Tensor, group_name: GroupName, size: int, gloo: boo
         # Gloo's reduce-scatter costs 1.2-1.4x its all-reduce of the same tensor on loopback
         # (2 ranks, 1-16 MiB); its all-to-all moves the bytes a ring reduce-scatter does and,
         # with the local sum, costs 0.85-0.95x the all-reduce (benchmarks/collectives.py).
-        with fx_traceback.annotate({AXIS_INDEX_META: True}):  # each rank's own blocks
+        with fx_traceback.annotate({_annotations.AXIS_INDEX: True}):  # each rank's own blocks
             blocks = funcol.wait_tensor(funcol.all_to_all_single(x, None, None, group_name))
         return blocks.view(size, -1, *x.shape[1:]).sum(0)
     return funcol.wait_tensor(funcol.reduce_scatter_single(x, "sum", 0, group_name))
@@ -218,9 +218,15 @@ def process_axis(
     return ProcessAxis(name, group.group_name, size, rank, traced, gloo)
 
 
-def default_process_axis() -> ProcessAxis:
-    """The axis ``"data"`` means outside every transform: the default process group."""
-    return process_axis(DEFAULT_AXIS, None)
+def named_axis(name: str) -> _axes.Axis:
+    """The axis a collective's ``axis_name`` refers to here: the innermost binding, else, for
+    ``"data"``, the default process group."""
+    bound = _axes.find(name)
+    if bound is not None:
+        return bound
+    if name == DEFAULT_AXIS:
+        return process_axis(DEFAULT_AXIS, None)
+    raise _axes.unbound_error(name)
 
 
 def _map_tensors(
@@ -239,7 +245,7 @@ def _map_tensors(
         return optree.tree_unflatten(spec, fn(leaves))
     out = []
     for path, leaf in zip(leaves_with_paths(tree)[0], leaves):
-        with fx_traceback.annotate({"fddp_leaf": path}):
+        with fx_traceback.annotate({_annotations.LEAF_PATH: path}):
             out.extend(fn([leaf]))
     return optree.tree_unflatten(spec, out)
 
@@ -255,7 +261,7 @@ def psum(tree: Any, axis_name: str = DEFAULT_AXIS) -> Any:
     >>> fddp.psum({"g": torch.ones(3)})["g"]
     tensor([1., 1., 1.])
     """
-    axis = _axes.lookup(axis_name)
+    axis = named_axis(axis_name)
     return _map_tensors(tree, "psum's tree", axis, axis.psum, bucketed_by_scheduler=True)
 
 
@@ -270,7 +276,7 @@ def pmean(tree: Any, axis_name: str = DEFAULT_AXIS) -> Any:
     >>> fddp.pmean(torch.tensor([2.0, 4.0]))
     tensor([2., 4.])
     """
-    axis = _axes.lookup(axis_name)
+    axis = named_axis(axis_name)
     _require_floating(tree)
     n = axis.size()
     return _map_tensors(
@@ -309,7 +315,7 @@ def psum_scatter(tree: Any, axis_name: str = DEFAULT_AXIS, *, tiled: bool = Fals
     >>> fddp.psum_scatter(torch.tensor([[1.0, 2.0]]))
     tensor([1., 2.])
     """
-    axis = _axes.lookup(axis_name)
+    axis = named_axis(axis_name)
     n = axis.size()
     leaves, spec = tensor_leaves(tree, "psum_scatter's tree")
     for x in leaves:
@@ -338,7 +344,7 @@ def all_gather(tree: Any, axis_name: str = DEFAULT_AXIS, *, tiled: bool = False)
     >>> fddp.all_gather(torch.tensor([1.0, 2.0])).shape
     torch.Size([1, 2])
     """
-    axis = _axes.lookup(axis_name)
+    axis = named_axis(axis_name)
     return _map_tensors(tree, "all_gather's tree", axis, lambda xs: axis.all_gather(xs, tiled))
 
 
@@ -349,7 +355,7 @@ def broadcast(tree: Any, src: int = 0, axis_name: str = DEFAULT_AXIS) -> Any:
     >>> fddp.broadcast(torch.tensor([5.0]))
     tensor([5.])
     """
-    axis = _axes.lookup(axis_name)
+    axis = named_axis(axis_name)
     size = axis.size()
     if not 0 <= src < size:
         raise ValueError(
@@ -366,7 +372,7 @@ def axis_index(axis_name: str = DEFAULT_AXIS) -> torch.Tensor:
     >>> fddp.axis_index()
     tensor(0)
     """
-    return _axes.lookup(axis_name).index()
+    return named_axis(axis_name).index()
 
 
 def axis_size(axis_name: str = DEFAULT_AXIS) -> int:
@@ -376,4 +382,4 @@ def axis_size(axis_name: str = DEFAULT_AXIS) -> int:
     >>> fddp.axis_size()
     1
     """
-    return _axes.lookup(axis_name).size()
+    return named_axis(axis_name).size()

@@ -32,7 +32,7 @@ from fddp._errors import (
 from fddp._schedule import _cost, _gate
 from fddp._schedule._capture import Captured, DynamoCapture, trace_with_make_fx
 from fddp._schedule._pipeline import Options, Program, schedule_graph
-from fddp._schedule._plan import Schedule
+from fddp._schedule._plan import Plan
 from fddp._signature import Signature, leaf_paths, portable_lines, signature_of
 from fddp._tree import leaves_with_paths
 
@@ -373,13 +373,14 @@ class DataParallelStep:
                     "check_replicas=(...)."
                 )
 
-    def schedule(self, *args: Any) -> Schedule:
+    def schedule(self, *args: Any) -> Plan:
         """The compiled plan for these arguments (captures if needed; runs nothing).
 
         Returns:
-            A :class:`Schedule`: every collective in launch order with its bucket, leaves, bytes,
-            and the compute nodes before its launch and its wait; after the first call with
-            these arguments, whether each output is replicated or per-rank. ``print`` it for a
+            A :class:`fddp.typing.Plan`: every collective in launch order with its bucket,
+            leaves, bytes, and the compute nodes before its launch and its wait; after the first
+            call with these arguments, whether each output is replicated or per-rank. ``print``
+            it for a
             table.
         """
         entry = self._entry_for(args, "schedule()")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import optree
 import torch
 
-from fddp.typing import GradientTransformation, OptState, Params, TensorTree, Updates
+from fddp._collectives import psum
+from fddp._optim import call_update, takes_shard_axes
+from fddp._types import GradientTransformation, OptState, Params, TensorTree, Updates
 
 
 class ApplyIfFiniteState(NamedTuple):
@@ -26,8 +29,13 @@ class ApplyIfFiniteState(NamedTuple):
     inner_state: OptState
 
 
-def all_finite(tree: TensorTree) -> torch.Tensor:
+def all_finite(tree: TensorTree, shard_axes: Sequence[str] = ()) -> torch.Tensor:
     """Whether every element of every tensor leaf of ``tree`` is finite, as a 0-d bool tensor.
+
+    Args:
+        tree: the tensors.
+        shard_axes: named axes over whose replicas ``tree`` is one shard of the whole (see
+            ``fddp.optim.global_norm``): the result says whether every shard is finite.
 
     Example:
         >>> import torch
@@ -39,9 +47,12 @@ def all_finite(tree: TensorTree) -> torch.Tensor:
         return torch.ones((), dtype=torch.bool)
     device = leaves[0].device
     finite = torch.stack([torch.isfinite(x).all().to(device) for x in leaves]).all()
-    from fddp._zero import sharded_all  # under fddp.optim.shard_state: all shards finite
-
-    return sharded_all(finite)
+    if not shard_axes:
+        return finite
+    failures = (~finite).to(torch.int32)
+    for name in shard_axes:
+        failures = psum(failures, name)
+    return failures == 0
 
 
 def apply_if_finite(
@@ -99,13 +110,21 @@ def apply_if_finite(
             inner_state=inner.init(params),
         )
 
+    takes = takes_shard_axes(inner)
+
     def update(
-        updates: Updates, state: OptState, params: Params | None = None
+        updates: Updates,
+        state: OptState,
+        params: Params | None = None,
+        *,
+        shard_axes: Sequence[str] = (),
     ) -> tuple[Updates, ApplyIfFiniteState]:
-        finite = all_finite(updates)
+        finite = all_finite(updates, shard_axes)
         notfinite_count = torch.where(finite, 0, state.notfinite_count + 1)
         apply = finite | (notfinite_count > max_consecutive_errors)
-        new_updates, new_inner = inner.update(updates, state.inner_state, params)
+        new_updates, new_inner = call_update(
+            inner, takes, updates, state.inner_state, params, shard_axes
+        )
         new_updates = optree.tree_map(
             lambda u: torch.where(apply, u, 0.0), new_updates, none_is_leaf=False
         )

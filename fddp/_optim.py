@@ -6,14 +6,16 @@ foreach kernels have no batching rules: there each transformation takes ordinary
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import optree
 import torch
 
-from fddp.typing import (
+from fddp._collectives import psum
+from fddp._types import (
     GradientTransformation,
     OptState,
     Params,
@@ -27,7 +29,8 @@ from fddp.typing import (
 
 Schedule = Callable[[torch.Tensor], Any]
 
-# The optimizer protocol lives in fddp.typing; fddp.optim keeps its short names.
+# The optimizer protocol lives in fddp._types (public as fddp.typing); fddp.optim keeps its
+# short names.
 InitFn = TransformInitFn
 UpdateFn = TransformUpdateFn
 
@@ -430,20 +433,31 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         return EmptyState()
 
     def update(
-        updates: Updates, state: OptState, params: Params | None = None
+        updates: Updates,
+        state: OptState,
+        params: Params | None = None,
+        *,
+        shard_axes: Sequence[str] = (),
     ) -> tuple[Updates, OptState]:
         leaves, spec = _flatten(updates)
         if not leaves:
             return updates, state
-        norm = global_norm(leaves)
+        norm = global_norm(leaves, shard_axes)
         factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         return optree.tree_unflatten(spec, _with_scalar(torch._foreach_mul, leaves, factor)), state
 
     return GradientTransformation(init, update)
 
 
-def global_norm(tree: TensorTree) -> torch.Tensor:
+def global_norm(tree: TensorTree, shard_axes: Sequence[str] = ()) -> torch.Tensor:
     """The L2 norm of all leaves of ``tree`` taken together.
+
+    Args:
+        tree: the tensors.
+        shard_axes: named axes over whose replicas ``tree`` is one shard of the whole, as the
+            updates are that an optimizer sees inside ``fddp.optim.shard_state`` (which passes
+            them to its inner transformation's ``update`` as ``shard_axes=``): the squares are
+            summed over those replicas, so every replica gets the norm of the whole.
 
     Example:
         >>> import torch
@@ -457,9 +471,33 @@ def global_norm(tree: TensorTree) -> torch.Tensor:
     norms = _foreach(torch._foreach_norm, leaves)
     device = norms[0].device
     norm = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
-    from fddp._zero import sharded_norm  # under fddp.optim.shard_state: the norm of all shards
+    if not shard_axes:
+        return norm
+    square = norm * norm
+    for name in shard_axes:
+        square = psum(square, name)
+    return torch.sqrt(square)
 
-    return sharded_norm(norm)
+
+def takes_shard_axes(transform: GradientTransformation) -> bool:
+    """Whether ``transform.update`` accepts the ``shard_axes`` keyword (see :func:`global_norm`);
+    read once, when a wrapping transformation is built, never while a step is traced."""
+    parameters = inspect.signature(transform.update).parameters.values()
+    return any(p.name == "shard_axes" or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def call_update(
+    transform: GradientTransformation,
+    takes: bool,
+    updates: Updates,
+    state: OptState,
+    params: Params | None,
+    shard_axes: Sequence[str],
+) -> tuple[Updates, OptState]:
+    """``transform.update``, passing ``shard_axes`` on when it ``takes`` them."""
+    if takes:
+        return transform.update(updates, state, params, shard_axes=shard_axes)  # type: ignore[call-arg]
+    return transform.update(updates, state, params)
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -479,11 +517,17 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                 "call the factory, e.g. chain(clip_by_global_norm(1.0), sgd(0.1))."
             )
 
+    takes = [takes_shard_axes(t) for t in transforms]
+
     def init(params: Params) -> tuple[OptState, ...]:
         return tuple(t.init(params) for t in transforms)
 
     def update(
-        updates: Updates, state: OptState, params: Params | None = None
+        updates: Updates,
+        state: OptState,
+        params: Params | None = None,
+        *,
+        shard_axes: Sequence[str] = (),
     ) -> tuple[Updates, OptState]:
         if len(state) != len(transforms):
             raise ValueError(
@@ -491,8 +535,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                 "pass the state returned by this chain's init or update."
             )
         new_state = []
-        for t, s in zip(transforms, state, strict=True):
-            updates, s = t.update(updates, s, params)
+        for t, t_takes, s in zip(transforms, takes, state, strict=True):
+            updates, s = call_update(t, t_takes, updates, s, params, shard_axes)
             new_state.append(s)
         return updates, tuple(new_state)
 

@@ -21,7 +21,7 @@ from typing import Any
 import optree
 import torch
 
-from fddp import _runtime
+from fddp import _runtime, _shutdown
 from fddp._errors import RankFailureError, UsageValueError
 
 _DONATED = object()  # a result handed to the next call's donated storage; it is gone
@@ -105,6 +105,9 @@ def complete_all() -> None:
     """Complete every deferred tail still pending (before the process group goes away)."""
     for deferred in list(_live):
         deferred.complete()
+
+
+_shutdown.before_destroy("completing a pending step output", complete_all)
 
 
 def complete_orphans() -> None:

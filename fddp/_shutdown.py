@@ -9,6 +9,7 @@ import os
 import sys
 import time
 import types
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -30,6 +31,14 @@ _IDLE_POLL_S = 0.005
 _IDLE_POLLS = 3
 
 _registered = False
+_before_destroy: list[tuple[str, Callable[[], None]]] = []  # (what it does, the function)
+
+
+def before_destroy(what: str, fn: Callable[[], None]) -> None:
+    """Run ``fn`` at exit before the process group is destroyed (e.g. to finish collectives
+    still in flight); ``what`` names it in the warning if it fails."""
+    if all(f is not fn for _, f in _before_destroy):
+        _before_destroy.append((what, fn))
 
 
 def register() -> None:
@@ -48,12 +57,11 @@ def _shutdown() -> None:
     reference a worker still drops takes the GIL normally.
     """
     if dist.is_initialized():
-        from fddp import _pending  # imports _runtime, which imports this module
-
-        try:
-            _pending.complete_all()  # overlap_steps outputs still waiting for their buckets
-        except Exception:
-            logger.warning("fddp: a pending step output failed to complete at exit", exc_info=True)
+        for what, fn in _before_destroy:
+            try:
+                fn()
+            except Exception:
+                logger.warning("fddp: %s failed at exit", what, exc_info=True)
         try:
             dist.destroy_process_group()
         except Exception:

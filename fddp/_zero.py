@@ -20,36 +20,31 @@ waits for each collective at once.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Sequence
 from typing import Any, NamedTuple, cast
 
 import optree
 import torch
 import torch.nn.functional as F
 
-from fddp import _axes
 from fddp._axes import DEFAULT_AXIS
 from fddp._collectives import (
     ProcessAxis,
     all_gather,
     axis_index,
     axis_size,
-    psum,
+    named_axis,
     psum_scatter,
 )
-from fddp.typing import GradientTransformation, OptState, Params, Updates
+from fddp._optim import call_update, takes_shard_axes
+from fddp._types import GradientTransformation, OptState, Params, Updates
 
 _AUTO_CAP_FRACTION = 16
 _MIN_CAP_BYTES = 2**20
 _MAX_CAP_BYTES = 25 * 2**20
-
-# Axis names over which the optimizer running now sees one shard of the updates: global_norm
-# and all_finite complete their reductions over these (a scope, like _axes.bind).
-_sharded_axes: list[str] = []
 
 
 class ShardedState(NamedTuple):
@@ -155,35 +150,6 @@ def _pieces(buckets: tuple[Bucket, ...], replicas: int, index: torch.Tensor) -> 
     return table.index_select(0, index.reshape(1)).squeeze(0)
 
 
-@contextlib.contextmanager
-def _sharded_over(axis_name: str) -> Iterator[None]:
-    _sharded_axes.append(axis_name)
-    try:
-        yield
-    finally:
-        _sharded_axes.pop()
-
-
-def sharded_norm(norm: torch.Tensor) -> torch.Tensor:
-    """The L2 norm over every shard, given this shard's ``norm`` (unchanged when unsharded)."""
-    if not _sharded_axes:
-        return norm
-    square = norm * norm
-    for name in _sharded_axes:
-        square = psum(square, name)
-    return torch.sqrt(square)
-
-
-def sharded_all(flag: torch.Tensor) -> torch.Tensor:
-    """Whether ``flag`` holds on every shard (``flag`` itself when unsharded)."""
-    if not _sharded_axes:
-        return flag
-    failures = (~flag).to(torch.int32)
-    for name in _sharded_axes:
-        failures = psum(failures, name)
-    return failures == 0
-
-
 def shard_state(
     inner: GradientTransformation,
     axis_name: str = DEFAULT_AXIS,
@@ -200,11 +166,15 @@ def shard_state(
     updates, equal to ``inner.update(pmean(grads), ...)``. In a step, drop the ``pmean`` of the
     gradients and wrap the optimizer: that is the whole change.
 
-    Inside ``inner``, ``clip_by_global_norm`` and ``apply_if_finite`` see the global norm and
-    the global finiteness (each sums its per-shard part over the replicas), so every replica
-    takes the same decision. ``inner`` must act elementwise on the updates apart from those
-    (as every fddp optimizer does); ``init`` and ``update`` must run where ``axis_name`` is
-    bound: inside ``data_parallel`` or ``fddp.vmap``, or (``"data"``) in the process group.
+    ``inner.update`` is called with ``shard_axes=(..., axis_name)`` when it takes that
+    keyword (``chain``, ``clip_by_global_norm`` and ``apply_if_finite`` do, and pass it on), so
+    the global norm and the global finiteness are computed over all shards (each sums its
+    per-shard part over the replicas) and every replica takes the same decision. ``inner``
+    must act elementwise on the updates apart from those (as every fddp optimizer does); a
+    transformation of your own that needs a global reduction takes ``shard_axes`` and passes
+    it to ``fddp.optim.global_norm`` / ``all_finite``. ``init`` and ``update`` must run where
+    ``axis_name`` is bound: inside ``data_parallel`` or ``fddp.vmap``, or (``"data"``) in the
+    process group.
 
     Args:
         inner: the optimizer to shard, e.g. ``fddp.optim.adamw(1e-3)``.
@@ -233,7 +203,7 @@ def shard_state(
     cap_bytes = None if bucket_cap_mb is None else max(1, int(bucket_cap_mb * 2**20))
 
     def shards(leaves: list[torch.Tensor], buckets: tuple[Bucket, ...], n: int) -> list:
-        axis = _axes.lookup(axis_name)
+        axis = named_axis(axis_name)
         if isinstance(axis, ProcessAxis):  # the rank is a constant: copy only this shard
             return [_own_slice(leaves, b, axis.group_rank) for b in buckets]
         index = axis_index(axis_name)
@@ -246,8 +216,14 @@ def shard_state(
         pieces = _pieces(buckets, n, axis_index(axis_name).to(_device(leaves)))
         return ShardedState(inner.init(shards(leaves, buckets, n)), pieces)
 
+    takes = takes_shard_axes(inner)
+
     def update(
-        updates: Updates, state: OptState, params: Params | None = None
+        updates: Updates,
+        state: OptState,
+        params: Params | None = None,
+        *,
+        shard_axes: Sequence[str] = (),
     ) -> tuple[Updates, ShardedState]:
         if not isinstance(state, ShardedState):
             raise TypeError(
@@ -262,8 +238,8 @@ def shard_state(
         if params is not None:
             param_leaves = optree.tree_leaves(params, none_is_leaf=False)
             param_shards = shards(param_leaves, buckets, n)
-        with _sharded_over(axis_name):
-            new, inner_state = inner.update(grads, state.inner, param_shards)
+        axes = (*shard_axes, axis_name)  # the shards of a shard: the norm sums over both
+        new, inner_state = call_update(inner, takes, grads, state.inner, param_shards, axes)
         out: list[Any] = [None] * len(leaves)
         for b, shard in zip(buckets, cast("list[torch.Tensor]", new), strict=True):
             full = all_gather(shard, axis_name, tiled=True)

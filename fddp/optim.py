@@ -47,8 +47,8 @@ from fddp._optim import (
     trace,
     warmup_cosine_decay_schedule,
 )
+from fddp._types import GradientTransformation
 from fddp._zero import ShardedState, shard_state, state_bytes
-from fddp.typing import GradientTransformation
 
 __all__ = [
     "ApplyIfFiniteState",

@@ -79,11 +79,14 @@ OPTIM = {
 
 TYPING = {
     "Batch",
+    "CollectivePlan",
+    "DataParallelStep",
     "GradientTransformation",
     "Grads",
     "OptState",
     "Params",
     "ParamsT",
+    "Plan",
     "PowerSGD",
     "PowerSGDState",
     "ScalarOrSchedule",

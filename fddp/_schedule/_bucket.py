@@ -22,6 +22,7 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 
+from fddp._annotations import BUCKET, BUCKET_LEAVES, LEAF_PATH
 from fddp._schedule._graph import (
     ALL_REDUCE,
     ALL_REDUCE_INPLACE,
@@ -77,7 +78,7 @@ def find_members(graph: fx.Graph) -> list[Member]:
         first_use = min(pos[u] for u in wait.users)
         source, op, group = node.args
         val = value(source)
-        path = node.meta.get("custom", {}).get("fddp_leaf", source.name)
+        path = node.meta.get("custom", {}).get(LEAF_PATH, source.name)
         key = (group, op, val.dtype, val.device)
         members.append(Member(node, wait, source, ready, first_use, key, path))
     members.sort(key=lambda m: m.ready)
@@ -157,14 +158,14 @@ def rewrite(
     for index, bucket in enumerate(buckets):
         for m in bucket:  # an earlier bucket may have replaced the node this one reduces
             m.source = cast(fx.Node, m.collective.args[0])
-        chain = _Chain(graph, _ready_node(graph, bucket), {"fddp_bucket": index})
+        chain = _Chain(graph, _ready_node(graph, bucket), {BUCKET: index})
         dtype = value(bucket[0].source).dtype
         divisors = {_divisor(m) for m in bucket}
         divisor = divisors.pop() if len(divisors) == 1 else None
         wire = comm_dtype if comm_dtype is not None else dtype
         pack = _pack_functional if functional else _pack_in_place
         launch = pack(chain, bucket, divisor, wire)
-        launch.meta["fddp_leaves"] = tuple(m.path for m in bucket)
+        launch.meta[BUCKET_LEAVES] = tuple(m.path for m in bucket)
         wait = chain.add(WAIT, launch)
         result = wait if wire == dtype else chain.add(aten._to_copy.default, wait, dtype=dtype)
         _unpack(chain, graph, bucket, result, divisor is not None)

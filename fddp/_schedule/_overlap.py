@@ -24,6 +24,7 @@ from typing import cast
 import torch
 from torch import fx
 
+from fddp._annotations import BUCKET
 from fddp._schedule._graph import (
     alias_root,
     c10d,
@@ -38,12 +39,12 @@ from fddp._schedule._graph import (
 
 def _unpack_chain(wait: fx.Node) -> list[fx.Node]:
     """The wait and the bucket nodes that only unpack its result (cast, divide, split, view)."""
-    bucket = wait.meta.get("fddp_bucket")
+    bucket = wait.meta.get(BUCKET)
     chain, frontier = [wait], [wait]
     while frontier:
         node = frontier.pop()
         for user in node.users:
-            if bucket is not None and user.meta.get("fddp_bucket") == bucket and user not in chain:
+            if bucket is not None and user.meta.get(BUCKET) == bucket and user not in chain:
                 chain.append(user)
                 frontier.append(user)
     return chain

@@ -38,7 +38,7 @@ class Program:
     ``_replication.dependencies``)."""
 
     graph: fx.GraphModule
-    schedule: _plan.Schedule
+    schedule: _plan.Plan
     sequence: list[str]
     run: _backend.Runner
     output_dependencies: list[int]

@@ -6,6 +6,7 @@ import dataclasses
 
 from torch import fx
 
+from fddp._annotations import BUCKET_LEAVES, LEAF_PATH
 from fddp._schedule._bucket import BucketNodes
 from fddp._schedule._graph import is_collective, is_compute, nbytes
 
@@ -39,7 +40,7 @@ class CollectivePlan:
 
 
 @dataclasses.dataclass(frozen=True)
-class Schedule:
+class Plan:
     """What ``data_parallel`` will run for one input signature."""
 
     collectives: tuple[CollectivePlan, ...]
@@ -84,7 +85,7 @@ class Schedule:
 
 def describe(
     graph: fx.Graph, buckets: list[BucketNodes], capture_seconds: float, captured_with: str
-) -> Schedule:
+) -> Plan:
     by_launch = {b.launch: b for b in buckets}
     compute_before: dict[fx.Node, int] = {}
     count = 0
@@ -109,7 +110,7 @@ def describe(
                 wait=compute_before[wait],
             )
         )
-    return Schedule(tuple(plans), count, capture_seconds, captured_with)
+    return Plan(tuple(plans), count, capture_seconds, captured_with)
 
 
 def collective_sequence(graph: fx.Graph) -> list[str]:
@@ -122,6 +123,6 @@ def collective_sequence(graph: fx.Graph) -> list[str]:
             val = node.args[0].meta["val"]
             extra = [a for a in node.args[1:] if not isinstance(a, fx.Node)]
             shape = "x".join(map(str, val.shape))
-            leaves = node.meta.get("fddp_leaves") or node.meta.get("custom", {}).get("fddp_leaf")
+            leaves = node.meta.get(BUCKET_LEAVES) or node.meta.get("custom", {}).get(LEAF_PATH)
             lines.append(f"{node.target._opname}({shape}, {val.dtype}, {extra}, {leaves})")
     return lines

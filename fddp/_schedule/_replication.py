@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from fddp._annotations import AXIS_INDEX
 from fddp._schedule._graph import alias_root, is_collective, mutated_inputs
 
 # Annotation on the nodes whose value is this rank's own: axis_index, and the all-to-all a
 # reduce-scatter is made of on gloo (the same op carries replicated copies in an all-gather).
-AXIS_INDEX_META = "fddp_axis_index"
 # Collectives whose result differs between ranks: each rank receives its own block of the sum.
 PER_RANK_RESULTS = {torch.ops._c10d_functional.reduce_scatter_tensor.default}
 
@@ -34,7 +34,7 @@ def dependencies(graph: fx.Graph) -> tuple[list[int], int]:
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        reads_rank = bool(node.meta.get("custom", {}).get(AXIS_INDEX_META))
+        reads_rank = bool(node.meta.get("custom", {}).get(AXIS_INDEX))
         if is_collective(node):  # its wait, and all that reads only results, are replicated
             deps[node] = rank_bit if reads_rank or node.target in PER_RANK_RESULTS else 0
             continue
