@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -29,19 +30,21 @@ class PowerSGDState(NamedTuple):
     errors: dict[str, torch.Tensor]
 
 
-def _should_compress(shape: torch.Size, rank: int, min_compression_rate: float) -> bool:
+def _should_compress(
+    shape: torch.Size, approximation_rank: int, min_compression_rate: float
+) -> bool:
     """DDP's rule: compress an ``n x m`` matrix when ``(n + m) * r * rate < n * m``."""
     if len(shape) < 2:
         return False
     n, m = shape[0], shape[1:].numel()
-    r = min(n, m, rank)
+    r = min(n, m, approximation_rank)
     return (n + m) * r * min_compression_rate < n * m
 
 
 def _init(
     params: Any,
     *,
-    rank: int = 1,
+    approximation_rank: int = 1,
     min_compression_rate: float = 2.0,
     error_feedback: bool = True,
     seed: int = 0,
@@ -49,28 +52,27 @@ def _init(
     """The initial :class:`PowerSGDState` for gradients shaped like ``params``.
 
     A leaf with two or more dimensions, viewed as an ``n x m`` matrix (``m`` the product of the
-    trailing dimensions), is compressed to rank ``r = min(n, m, rank)`` when that shrinks it by
-    more than ``min_compression_rate``: ``(n + m) * r * min_compression_rate < n * m``, as in
-    DDP's ``powerSGD_hook``. Vectors (biases, norms) and small matrices are averaged exactly.
-    The initial ``Q`` factors are standard normal draws from a generator seeded with ``seed``,
-    so every replica starts from the same ones (also under ``torch.func.vmap``, which maps
-    ``init`` over stacked parameters without a randomness mode); the errors start at
-    zero.
+    trailing dimensions), is compressed to rank ``r = min(n, m, approximation_rank)`` when that
+    shrinks it by more than ``min_compression_rate``: ``(n + m) * r * min_compression_rate <
+    n * m``, as in DDP's ``powerSGD_hook``. Vectors (biases, norms) and small matrices are
+    averaged exactly. The initial ``Q`` factors are standard normal draws from a generator
+    seeded with ``seed``, so every replica starts from the same ones (also under
+    ``torch.func.vmap``, which maps ``init`` over stacked parameters without a randomness mode);
+    the errors start at zero.
 
     Args:
         params: the parameters (or gradients) pytree; only shapes and dtypes are read.
-        rank: the approximation rank (DDP's ``matrix_approximation_rank``).
+        approximation_rank: the approximation rank (DDP's ``matrix_approximation_rank``).
         min_compression_rate: the least size reduction worth compressing a leaf for.
         error_feedback: keep each replica's compression error and add it to its next gradient.
         seed: seed of the initial ``Q`` factors.
 
     >>> import fddp, torch
-    >>> state = fddp.powersgd(rank=2).init({"w": torch.zeros(64, 32), "b": torch.zeros(64)})
+    >>> psgd = fddp.powersgd(approximation_rank=2)
+    >>> state = psgd.init({"w": torch.zeros(64, 32), "b": torch.zeros(64)})
     >>> {k: tuple(q.shape) for k, q in state.qs.items()}
     {"['w']": (32, 2)}
     """
-    if not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"fddp.powersgd: rank must be a positive int, got {rank!r}.")
     paths, leaves, _ = leaves_with_paths(params)
     generator = torch.Generator().manual_seed(seed)
     # the draws depend on the seed alone, so vmap(init) needs no randomness mode
@@ -82,11 +84,11 @@ def _init(
                 f"powersgd's init: leaf {path} is not a floating-point tensor; pass the parameters "
                 "(or a gradient-shaped tree)."
             )
-        if not _should_compress(leaf.shape, rank, min_compression_rate):
+        if not _should_compress(leaf.shape, approximation_rank, min_compression_rate):
             continue
         n, m = leaf.shape[0], leaf.shape[1:].numel()
         with no_transform():
-            q = torch.randn(m, min(n, m, rank), generator=generator, dtype=leaf.dtype)
+            q = torch.randn(m, min(n, m, approximation_rank), generator=generator, dtype=leaf.dtype)
         qs[path] = q.to(leaf.device)
         if error_feedback:
             errors[path] = torch.zeros(n, m, dtype=leaf.dtype, device=leaf.device)
@@ -140,7 +142,7 @@ def _update(
 
     >>> import fddp, torch
     >>> grads = {"w": torch.outer(torch.arange(8.0), torch.ones(4))}
-    >>> psgd = fddp.powersgd(rank=1)
+    >>> psgd = fddp.powersgd(approximation_rank=1)
     >>> mean, state = psgd.update(grads, psgd.init(grads))
     >>> torch.allclose(mean["w"], grads["w"], atol=1e-4)
     True
@@ -207,12 +209,13 @@ class PowerSGD(NamedTuple):
 
 def powersgd(
     *,
-    rank: int = 1,
+    approximation_rank: int = 1,
     min_compression_rate: float = 2.0,
     error_feedback: bool = True,
     seed: int = 0,
     epsilon: float = 1e-8,
     axis_name: str = DEFAULT_AXIS,
+    rank: int | None = None,
 ) -> PowerSGD:
     """PowerSGD gradient compression (DDP's ``powerSGD_hook``) as a pure ``(init, update)`` pair.
 
@@ -222,27 +225,40 @@ def powersgd(
     (``start_powerSGD_iter``) and switch afterwards: two step functions, each traced once.
 
     Args:
-        rank: the approximation rank (DDP's ``matrix_approximation_rank``).
+        approximation_rank: the rank of each gradient matrix's low-rank approximation (DDP's
+            ``matrix_approximation_rank``).
         min_compression_rate: the least size reduction worth compressing a leaf for.
         error_feedback: keep each replica's compression error and add it to its next gradient.
         seed: seed of the initial ``Q`` factors (the same on every replica).
         epsilon: added to column norms in the orthonormalisation (DDP's
             ``orthogonalization_epsilon``, whose default 0 turns an all-zero gradient into NaN).
         axis_name: the replica axis.
+        rank: deprecated name of ``approximation_rank`` (it read like the process rank).
 
     >>> import fddp, torch
-    >>> psgd = fddp.powersgd(rank=2)
+    >>> psgd = fddp.powersgd(approximation_rank=2)
     >>> grads = {"w": torch.outer(torch.arange(8.0), torch.ones(4)), "b": torch.ones(8)}
     >>> state = psgd.init(grads)
     >>> mean, state = psgd.update(grads, state)
     >>> torch.allclose(mean["w"], grads["w"], atol=1e-4)
     True
     """
-    if not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"fddp.powersgd: rank must be a positive int, got {rank!r}.")
+    if rank is not None:
+        warnings.warn(
+            "fddp.powersgd(rank=...) is deprecated: the argument is now called "
+            "approximation_rank (fddp.powersgd(approximation_rank=...)); rank= will be removed "
+            "in the next release.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        approximation_rank = rank
+    if not isinstance(approximation_rank, int) or approximation_rank < 1:
+        raise ValueError(
+            f"fddp.powersgd: approximation_rank must be a positive int, got {approximation_rank!r}."
+        )
     init = functools.partial(
         _init,
-        rank=rank,
+        approximation_rank=approximation_rank,
         min_compression_rate=min_compression_rate,
         error_feedback=error_feedback,
         seed=seed,
