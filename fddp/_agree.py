@@ -57,7 +57,8 @@ def _same_everywhere(value: int, group: dist.ProcessGroup | None) -> bool:
     return DigestCheck(value, group).same()
 
 
-def _first_difference(everyone: list[list[Line]]) -> Difference:
+def first_difference(everyone: list[list[Line]]) -> Difference:
+    """The first line on which some rank differs from rank 0, given every rank's lines."""
     reference = everyone[0]
     for r, lines in enumerate(everyone[1:], start=1):
         missing = ("", "<none>")
@@ -93,9 +94,14 @@ def find_difference(
     return gather_difference(lines, group)
 
 
+def gather_lines(lines: Sequence[Line], group: dist.ProcessGroup | None) -> list[list[Line]]:
+    """Every rank's lines (an all-gather), once every rank knows that the digests differ."""
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, [tuple(line) for line in lines], group=group)
+    return [[tuple(line) for line in theirs] for theirs in everyone]
+
+
 def gather_difference(lines: Sequence[Line], group: dist.ProcessGroup | None) -> Difference:
     """The first difference, once every rank knows that the digests differ (an all-gather of
     the lines)."""
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, [tuple(line) for line in lines], group=group)
-    return _first_difference([[tuple(line) for line in theirs] for theirs in everyone])
+    return first_difference(gather_lines(lines, group))

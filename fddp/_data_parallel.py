@@ -1,161 +1,51 @@
-"""fddp.data_parallel: a step traced once per input signature, run as a scheduled graph."""
+"""fddp.data_parallel: a step traced once per input signature, run as a scheduled graph.
+
+A call flows through one object per job: the step lock (one step at a time), the call check
+(the ranks agree on step, options and argument signature), the program cache (one compiled
+program per signature), the replica guard (replicated arguments stay replicated), and the
+compiler's pipeline (capture, passes, the ranks' agreement on what they compiled).
+"""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
 import os
-import threading
 import time
-import warnings
-import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, overload
 
 import optree
 import torch
 import torch.distributed as dist
 
-from fddp import _axes, _pending, _replicas, _runtime, _timeline
-from fddp._agree import DigestCheck, find_difference, gather_difference
+from fddp import _axes, _machine, _pending, _runtime, _step_lock, _timeline
+from fddp._agree import Line, find_difference
+from fddp._bucket_policy import CapPolicy
+from fddp._call_check import CallCheck
 from fddp._collectives import ProcessAxis, process_axis
-from fddp._errors import (
-    RankFailureError,
-    ReplicaMismatchError,
-    RetraceWarning,
-    ScheduleMismatchError,
-    UsageError,
-    UsageValueError,
+from fddp._errors import RankFailureError
+from fddp._program_cache import ProgramCache
+from fddp._replica_guard import (
+    Origin,
+    ReplicaGuard,
+    describe_source,
+    tensor_indices_of_arg,
+    tensor_paths,
 )
-from fddp._schedule import _cost, _gate
-from fddp._schedule._capture import Captured, DynamoCapture, trace_with_make_fx
-from fddp._schedule._pipeline import Options, Program, schedule_graph
+from fddp._schedule import _pipeline
 from fddp._schedule._plan import Plan
-from fddp._signature import Signature, leaf_paths, portable_lines, signature_of
-from fddp._tree import leaves_with_paths
-
-RETRACE_WARNING_AFTER = 3  # retraces caused by one leaf before it is named in a warning
-
-
-_inside = threading.local()
-_one_step_at_a_time = threading.Lock()
-
-
-@contextlib.contextmanager
-def _exclusive(name: str) -> Iterator[None]:
-    """One data_parallel step at a time per process: collectives must run in the same order on
-    every rank, which two threads (or a step inside a step) cannot promise."""
-    outer = getattr(_inside, "name", None)
-    if outer is not None:
-        raise UsageValueError(
-            f"{name} was called inside the data_parallel step {outer}: nesting data_parallel "
-            "is not supported. Call the undecorated inner function inside the outer step (its "
-            "collectives are scheduled with the outer step's), or call the steps one after "
-            "the other."
-        )
-    if not _one_step_at_a_time.acquire(blocking=False):
-        raise RuntimeError(
-            f"{name} was called while another data_parallel step runs in another thread. "
-            "Steps issue collectives that must run in the same order on every rank, which "
-            "concurrent calls cannot promise: call the steps from one thread (e.g. run "
-            "evaluation after the training step returns, not beside it)."
-        )
-    _inside.name = name
-    try:
-        yield
-    finally:
-        _inside.name = None
-        _one_step_at_a_time.release()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Origin:
-    """Why an output leaf varies across ranks: the per-rank argument leaf it comes from."""
-
-    output: str
-    source: str
-
-
-@dataclasses.dataclass
-class _Entry:
-    """A compiled program for one signature, and how to map its outputs back to a pytree."""
-
-    program: Program
-    captured: Captured
-    dynamo: DynamoCapture | None
-    varying_tensors: list[bool] | None = None  # per tensor argument, learned on the first call
-    varying_outputs: dict[int, _Origin] | None = None  # output leaf index -> origin
-
-    def run(self, tensors: list[torch.Tensor]) -> Any:
-        graph_inputs = [tensors[i] if isinstance(i, int) else i for i in self.captured.inputs]
-        results = (self.program.across_steps or self.program.run)(graph_inputs)
-        outputs = self.captured.outputs
-        assert outputs is not None  # a Dynamo capture learns them in run_first
-        leaves = [
-            results[v] if kind == "graph" else tensors[v] if kind == "arg" else v
-            for kind, v in outputs
-        ]
-        return optree.tree_unflatten(self.captured.out_spec, leaves)
-
-    def run_first(self, args: tuple, tensors: list[torch.Tensor], axis: ProcessAxis) -> Any:
-        """Run a Dynamo capture once through Dynamo, learning where each output leaf comes from."""
-        assert self.dynamo is not None  # the entry of a Dynamo capture, run for the first time
-        with _axes.bind(axis):
-            out, graph_outputs = self.dynamo.run_once(args, self.program.run)
-        self.dynamo = None
-        leaves, out_spec = optree.tree_flatten(out)
-        from_graph = {id(t): k for k, t in enumerate(graph_outputs)}
-        from_args = {id(t): i for i, t in enumerate(tensors)}
-        outputs = []
-        for leaf in leaves:
-            if not isinstance(leaf, torch.Tensor):
-                outputs.append(("const", leaf))
-            elif id(leaf) in from_graph:
-                outputs.append(("graph", from_graph[id(leaf)]))
-            elif id(leaf) in from_args:
-                outputs.append(("arg", from_args[id(leaf)]))
-            else:
-                raise AssertionError("an output tensor of the captured step has no known source")
-        self.captured = dataclasses.replace(self.captured, outputs=outputs, out_spec=out_spec)
-        return out
-
-    def output_origins(self, tensor_paths: list[str]) -> dict[int, _Origin]:
-        """Which output leaves vary across ranks, given which tensor arguments do."""
-        varying, program = self.varying_tensors, self.program
-        outputs, out_spec = self.captured.outputs, self.captured.out_spec
-        assert varying is not None and outputs is not None  # both known after the first call
-        placeholder_sources = self.captured.inputs
-        out_paths = [p for p in _output_paths(out_spec)]
-        origins = {}
-        for j, (kind, v) in enumerate(outputs):
-            source = None
-            if kind == "arg" and varying[v]:
-                source = tensor_paths[v]
-            elif kind == "graph":
-                bits = program.output_dependencies[v]
-                if bits & program.rank_bit:
-                    source = "the rank (fddp.axis_index, or a psum_scatter block)"
-                for k, s in enumerate(placeholder_sources):
-                    if source is None and bits >> k & 1 and isinstance(s, int) and varying[s]:
-                        source = tensor_paths[s]
-            if source is not None:
-                origins[j] = _Origin(out_paths[j], source)
-        return origins
-
-
-def _output_paths(spec: optree.PyTreeSpec) -> list[str]:
-    dummy = optree.tree_unflatten(spec, list(range(spec.num_leaves)))
-    return leaf_paths(dummy)
-
-
-def _settled() -> None:
-    """The signature check of a world of one."""
+from fddp._schedule._program import Compiled
+from fddp._signature import Signature, signature_of
 
 
 class DataParallelStep:
-    """A replicated training step; call it like the step it wraps."""
+    """A replicated training step; call it like the step it wraps.
+
+    Made by :func:`fddp.data_parallel`; also has :meth:`schedule`, :meth:`graph` and
+    :meth:`profile`, and ``retraces``, the number of compiles after the first.
+    """
 
     __name__: str  # the step's, copied by functools.update_wrapper
 
@@ -164,7 +54,8 @@ class DataParallelStep:
         step_fn: Callable[..., Any],
         *,
         axis_name: str,
-        options: Options,
+        options: _pipeline.Options,
+        described: list[Line],
         donate_argnums: tuple[int, ...],
         group: dist.ProcessGroup | None,
         trace: bool,
@@ -172,33 +63,31 @@ class DataParallelStep:
         cache_size: int,
     ) -> None:
         functools.update_wrapper(self, step_fn)
+        if not hasattr(self, "__name__"):  # a functools.partial or another callable object
+            self.__name__ = _qualified_name(step_fn).rpartition(".")[2]
         self._step_fn = step_fn
         self._axis_name = axis_name
         self._options = options
         self._donate_argnums = donate_argnums
         self._group = group
         self._trace = trace
-        self._replicated_argnums = check_replicas
-        self._cache_size = cache_size
+        self._check_replicas = check_replicas
         self._profiling = False
-        self._cache: collections.OrderedDict[Signature, _Entry] = collections.OrderedDict()
-        self._lines: dict[Signature, tuple[list, int]] = {}
-        self._last_signature: Signature | None = None
-        self._retraces_by_leaf: collections.Counter[str] = collections.Counter()
-        self._warned: set[str] = set()
-        self._replicas_checks_left = 2
-        self._fed_back: dict[int, tuple[weakref.ref, _Origin]] = {}
-        self._side_group: dist.ProcessGroup | None = None
-        self.retraces = 0
+        name = self.__name__
+        self._calls = CallCheck(name, group, described, own_group=options.overlap_steps)
+        self._programs: ProgramCache[Compiled] = ProgramCache(name, cache_size)
+        self._replicas = ReplicaGuard(name, group, check_replicas)
         # Inside a user's torch.compile the step runs as one opaque call. Wrapped here, not at
         # class definition, so that importing fddp does not import Dynamo.
         self._opaque_call = torch.compiler.disable(self._guarded_call)
 
+    @property
+    def retraces(self) -> int:
+        """How many times the step was compiled again for a new signature."""
+        return self._programs.retraces
+
     def _axis(self, traced: bool = False) -> ProcessAxis:
         return process_axis(self._axis_name, self._group, traced=traced)
-
-    def _world(self) -> int:
-        return _runtime.world_size(self._group)
 
     @contextlib.contextmanager
     def profile(self, path: str | os.PathLike) -> Iterator[None]:
@@ -219,7 +108,7 @@ class DataParallelStep:
         return self._opaque_call(*args)
 
     def _guarded_call(self, *args: Any) -> Any:
-        with _exclusive(self.__name__):
+        with _step_lock.exclusive(self.__name__):
             start = time.monotonic()
             try:
                 return self._call(args)
@@ -230,178 +119,76 @@ class DataParallelStep:
 
     def _call(self, args: tuple) -> Any:
         _runtime.ensure_group()
-        signature, leaves = signature_of(args)  # a pending output has its value's signature
-        if not self._options.overlap_steps and any(map(_pending.is_pending, leaves)):
+        if not self._options.overlap_steps:  # a pending output is finished before it is used
             args = _pending.finished(args)
-            leaves = optree.tree_leaves(args)
-        if self._replicas_checks_left == 2 or not self._trace:
-            self._check_replicas(args)
-        check = self._check_signature(signature, args) if self._world() > 1 else _settled
+        signature, leaves = signature_of(args)  # a pending output has its value's signature
+        check = self._calls.launch(
+            signature, args, "called the step", lambda: self._replicas.compare_digests(args)
+        )
         if not self._trace:
-            check()
-            with _axes.bind(self._axis()):
-                return self._step_fn(*args)
+            return self._run_eagerly(args, check.settle)
+        compiled = self._programs.get(signature)
+        if compiled is None or compiled.first_call:
+            check.settle()  # before the collectives of a compile or of a first call
+        compiled = compiled or self._compile(signature, args)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        if self._fed_back:
-            self._refuse_varying_feedback(args)
-        entry = self._cache.get(signature)
-        if entry is None:
-            check()  # before the capture agreement's collectives
-            entry = self._compile(signature, args, tensors)
-        self._cache.move_to_end(signature)
-        if entry.varying_tensors is None:
-            check()
-            self._learn_replication(entry, args, tensors)
-        if entry.captured.outputs is None:
-            check()
-            out = entry.run_first(args, tensors, self._axis(traced=True))
-        else:
-            if not entry.program.gated or entry.program.across_steps is not None:
-                check()  # a merged program runs the last call's tail before its gate
-            profiling = _timeline.step_range() if self._profiling else contextlib.nullcontext()
-            with profiling, _gate.armed(check):
-                out = entry.run(tensors)
-        check()  # a step without collectives has no gate
-        if entry.varying_outputs is None:
-            entry.varying_outputs = entry.output_origins(_tensor_paths(args))
-        self._remember_varying(entry, out)
+        self._before_run(compiled, args, tensors)
+        with _timeline.step_range() if self._profiling else contextlib.nullcontext():
+            out = compiled.run(args, tensors, check.settle, self._axis(traced=True))
+        self._replicas.remember(self._origins(compiled, args), out)
         return out
 
-    def _check_signature(self, signature: Signature, args: tuple) -> Callable[[], None]:
-        """Every call: one tiny all-reduce checks that all ranks pass the same signature.
+    def _run_eagerly(self, args: tuple, settle: Callable[[], None]) -> Any:
+        settle()
+        self._replicas.check_digests(args, eager=True)
+        with _axes.bind(self._axis()):
+            return self._step_fn(*args)
 
-        Without it a rank whose batch alone changed shape would trace the step again while the
-        others run the cached one, and all would wait for the timeout; on the eager path its
-        collectives would mix unrelated leaves. The all-reduce is launched here; the returned
-        function settles it (waits, and raises on every rank if they differ), and must run
-        before the step's first collective: the scheduled graph's gate calls it there.
-        """
-        if signature not in self._lines:
-            if len(self._lines) > 4 * self._cache_size:
-                self._lines.clear()
-            self._lines[signature] = portable_lines(signature, args)
-        lines, digest = self._lines[signature]
-        group = self._agreement_group()
-        in_flight: list[DigestCheck] = [DigestCheck(digest, group)]
+    def _before_run(self, compiled: Compiled, args: tuple, tensors: list[torch.Tensor]) -> None:
+        """The replication checks due before this call runs."""
+        if compiled.varying_tensors is None:
+            self._replicas.check_digests(args, eager=False)
+            compiled.varying_tensors = self._replicas.varying_tensors(args, tensors)
+        self._replicas.refuse_fed_back(args)
 
-        def settle() -> None:
-            if not in_flight or in_flight.pop().same():
-                return
-            difference = gather_difference(lines, group)
-            raise ScheduleMismatchError(
-                f"{self.__name__}: ranks were called with different arguments: {difference}. "
-                "Every rank must pass arguments of the same structure, shapes, dtypes and "
-                "non-tensor values in every step, the last batch of an epoch included: drop "
-                "it, or pad it to the full size and mask the padding in the loss."
+    def _origins(self, compiled: Compiled, args: tuple) -> dict[int, Origin]:
+        """The per-rank output leaves of ``compiled``, learned after its first run."""
+        if compiled.varying_outputs is None:
+            assert compiled.varying_tensors is not None  # learned before the first run
+            compiled.varying_outputs = compiled.output_sources(
+                compiled.varying_tensors, tensor_paths(args)
             )
-
-        return settle
-
-    def _agreement_group(self) -> dist.ProcessGroup | None:
-        """The group the per-call signature check runs on. With ``overlap_steps`` the last
-        call's buckets may still be on the wire: a check queued behind them on the same group
-        would wait for them before this call could start, so it gets a group of its own."""
-        if not self._options.overlap_steps:
-            return self._group
-        if self._side_group is None:
-            ranks = dist.get_process_group_ranks(self._group or dist.group.WORLD)
-            self._side_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-        return self._side_group
-
-    def _replicated_args(self, args: tuple) -> list[int]:
-        return [n % len(args) for n in self._replicated_argnums if -len(args) <= n < len(args)]
-
-    def _check_replicas(self, args: tuple) -> None:
-        """The replicated arguments must agree before the first call and, for eager steps that
-        the replication analysis cannot see, before the second (which catches a first call that
-        made them differ, e.g. a forgotten pmean)."""
-        if self._replicas_checks_left == 0 or self._world() == 1 or not self._replicated_argnums:
-            return
-        self._replicas_checks_left -= 1
-        chosen = [args[n] for n in self._replicated_args(args)]
-        what = f"arguments {list(self._replicated_argnums)} of {self.__name__}"
-        if self._replicas_checks_left == 0:
-            what += " after the first call (does the step average its gradients with fddp.pmean?)"
-        _replicas.check_identical(chosen, self._group, what)
-
-    def _learn_replication(self, entry: _Entry, args: tuple, tensors: list[torch.Tensor]) -> None:
-        """First call of a signature: which tensor arguments differ between ranks (one small
-        all-gather of digests); the replicated arguments must not."""
-        if self._world() == 1:
-            entry.varying_tensors = [False] * len(tensors)
-            return
-        varying = _replicas.varying(tensors, self._group)
-        paths = _tensor_paths(args)
-        for n in self._replicated_args(args):
-            for i in _tensor_indices_of_arg(args, n):
-                if varying[i]:
-                    raise ReplicaMismatchError(
-                        f"arguments {list(self._replicated_argnums)} of {self.__name__} differ "
-                        f"between ranks: leaf {paths[i]} is not the same on every rank. "
-                        "Replicas must start from the same values: create them from the same "
-                        "seed and model code, or call fddp.replicate(tree) before training."
-                    )
-        entry.varying_tensors = varying
-
-    def _remember_varying(self, entry: _Entry, out: Any) -> None:
-        self._fed_back = {}
-        if not entry.varying_outputs:
-            return
-        leaves = optree.tree_leaves(out)
-        for j, origin in entry.varying_outputs.items():
-            if isinstance(leaves[j], torch.Tensor):
-                self._fed_back[id(leaves[j])] = (weakref.ref(leaves[j]), origin)
-
-    def _refuse_varying_feedback(self, args: tuple) -> None:
-        """A per-rank output of the last call passed back as a replicated argument is the
-        signature of a forgotten ``pmean``: the replicas have started to drift apart."""
-        for n in self._replicated_args(args):
-            paths, leaves, _ = leaves_with_paths(args[n])
-            for path, leaf in zip(paths, leaves):
-                found = self._fed_back.get(id(leaf))
-                if found is None or found[0]() is not leaf:
-                    continue
-                origin = found[1]
-                raise ReplicaMismatchError(
-                    f"{self.__name__}: argument {n} leaf {path} is output leaf "
-                    f"{origin.output} of the previous call, which differs between ranks: it is "
-                    f"computed from the per-rank {_describe_source(origin.source)} with no "
-                    "collective in between, so the replicas have started to drift apart. "
-                    "Average the gradients with fddp.pmean(grads) (or pmean/psum the value) "
-                    "before the update. Per-rank values are fine as metrics that are only "
-                    "logged; arguments that may differ per rank are left out with "
-                    "check_replicas=(...)."
-                )
+        paths = compiled.output_paths()
+        return {j: Origin(paths[j], s) for j, s in compiled.varying_outputs.items()}
 
     def schedule(self, *args: Any) -> Plan:
         """The compiled plan for these arguments (captures if needed; runs nothing).
+
+        Compiling for new arguments is a collective: call it on every rank, or after a first
+        call with these arguments.
 
         Returns:
             A :class:`fddp.typing.Plan`: every collective in launch order with its bucket,
             leaves, bytes, and the compute nodes before its launch and its wait; after the first
             call with these arguments, whether each output is replicated or per-rank. ``print``
-            it for a
-            table.
+            it for a table.
         """
-        entry = self._entry_for(args, "schedule()")
-        schedule = entry.program.schedule
-        if entry.program.across_steps is not None:
-            schedule = dataclasses.replace(
-                schedule, across_steps=entry.program.across_steps.describe()
-            )
-        if entry.varying_outputs is None:
-            return schedule
-        paths = _output_paths(entry.captured.out_spec)
+        compiled = self._compiled_for(args, "called schedule()")
+        plan = compiled.program.schedule
+        if compiled.program.across_steps is not None:
+            plan = dataclasses.replace(plan, across_steps=compiled.program.across_steps.describe())
+        if compiled.varying_outputs is None:
+            return plan
         replication = tuple(
             (
                 path,
-                f"per-rank (from {_describe_source(entry.varying_outputs[j].source)})"
-                if j in entry.varying_outputs
+                f"per-rank (from {describe_source(compiled.varying_outputs[j])})"
+                if j in compiled.varying_outputs
                 else "replicated",
             )
-            for j, path in enumerate(paths)
+            for j, path in enumerate(compiled.output_paths())
         )
-        return dataclasses.replace(schedule, replication=replication)
+        return dataclasses.replace(plan, replication=replication)
 
     def graph(self, *args: Any) -> torch.fx.GraphModule:
         """The scheduled FX graph run for these arguments (captures if needed; runs nothing).
@@ -409,145 +196,61 @@ class DataParallelStep:
         The graph after bucketing and overlap (and, without ``compile=True``, reinplacing):
         the one :meth:`schedule` describes, which the step runs (with ``compile=True``, the one
         Inductor compiles). Read it (``print(pstep.graph(*args).code)``); do not modify it.
+        Like :meth:`schedule`, compiling for new arguments is a collective.
         """
-        return self._entry_for(args, "graph()").program.graph
+        return self._compiled_for(args, "called graph()").program.graph
 
-    def _entry_for(self, args: tuple, what: str) -> _Entry:
-        """The compiled program for ``args``, captured now if needed (nothing runs)."""
+    def _compiled_for(self, args: tuple, request: str) -> Compiled:
+        """The compiled program for ``args``, compiled now if needed (nothing runs)."""
         if not self._trace:
-            raise ValueError(f"{what} needs a traced step; this one has trace=False.")
-        signature, leaves = signature_of(args)
-        entry = self._cache.get(signature)
-        if entry is None:
-            tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-            entry = self._compile(signature, args, tensors)
-        return entry
-
-    def _note_retrace(self, signature: Signature, args: tuple) -> None:
-        if self._last_signature is None:
-            return
-        self.retraces += 1
-        path, reason = self._last_signature.difference(signature, leaf_paths(args))
-        _runtime.log_rank0("data_parallel: retracing %s: %s", self.__name__, reason)
-        if path is None:
-            return
-        self._retraces_by_leaf[path] += 1
-        if self._retraces_by_leaf[path] >= RETRACE_WARNING_AFTER and path not in self._warned:
-            self._warned.add(path)
-            warnings.warn(
-                f"{self.__name__} was traced again {self._retraces_by_leaf[path]} times because "
-                f"argument leaf {path} keeps changing (last: {reason}). Every new value of a "
-                "non-tensor argument, and every new shape, compiles the step again: pass a "
-                "changing number as a tensor (torch.tensor(value)), and pad batches to a few "
-                f"fixed shapes. At most {self._cache_size} programs are kept "
-                "(data_parallel(..., cache_size=...)).",
-                RetraceWarning,
-                stacklevel=4,
+            raise ValueError(
+                f"{request.removeprefix('called ')} needs a traced step; this one has trace=False."
             )
+        signature, _ = signature_of(args)
+        compiled = self._programs.get(signature)
+        if compiled is None:
+            self._calls.launch(signature, args, request).settle()
+            compiled = self._compile(signature, args)
+        return compiled
 
-    def _compile(self, signature: Signature, args: tuple, tensors: list[torch.Tensor]) -> _Entry:
-        self._note_retrace(signature, args)
-        self._last_signature = signature
-        error: Exception | None = None
-        entry: _Entry | None = None
+    def _compile(self, signature: Signature, args: tuple) -> Compiled:
+        """Capture and schedule the step for ``signature`` (every rank at once: it measures
+        the link on the group's first compile and compares what the ranks compiled)."""
+        self._programs.note_compile(signature, args)
+        tensors = [x for x in optree.tree_leaves(args) if isinstance(x, torch.Tensor)]
         machine = self._measured_machine(tensors)  # before a capture error can split the ranks
-        try:
-            with _axes.bind(self._axis(traced=True)):
-                entry = self._capture(args, tensors, machine)
-        except UsageError as e:
-            error = e
-        except Exception as e:  # every rank must learn about it before anyone runs a collective
-            error = e
-        self._agree_on_program(entry.program.sequence if entry else None, error)
-        assert entry is not None  # every rank raised the capture error otherwise
-        program, captured = entry.program, entry.captured
+        with _axes.bind(self._axis(traced=True)):
+            compiled = _pipeline.compile_step(
+                self._step_fn,
+                args,
+                tensors,
+                self._options,
+                _donated_leaves(args, self._donate_argnums),
+                machine,
+                self._compare,
+                self.__name__,
+            )
         _runtime.log_rank0(
             "data_parallel: compiled %s (captured with %s)\n%s",
             self.__name__,
-            captured.method,
-            program.schedule,
+            compiled.captured.method,
+            compiled.program.schedule,
         )
-        if program.across_steps is not None:
-            program.across_steps.where = self.__name__
-        self._cache[signature] = entry
-        while len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
-        return entry
+        if compiled.program.across_steps is not None:
+            compiled.program.across_steps.where = self.__name__
+        self._programs.put(signature, compiled)
+        return compiled
 
-    def _agree_on_program(self, sequence: list[str] | None, error: BaseException | None) -> None:
-        """Every rank's capture outcome and collective sequence, compared; the same error on
-        every rank, so no rank waits forever for a peer that never reaches the first collective."""
-        status = f"failed with {type(error).__name__}: {error}" if error else "captured"
-        lines = [("the capture", status.split("\n")[0])]
-        lines += [(f"collective #{i}", s) for i, s in enumerate(sequence or [])]
-        difference = find_difference(lines, self._group) if self._world() > 1 else None
-        if error is not None:
-            raise error
-        if difference is None:
-            return
-        if difference.label == "the capture":
-            failed_rank, status = (
-                (difference.rank, difference.theirs)
-                if difference.ours == "captured"
-                else (0, difference.ours)
-            )
-            raise RuntimeError(
-                f"{self.__name__}: rank {failed_rank} {status.removeprefix('failed with ')} while "
-                "capturing the step; this rank stops too instead of waiting for it."
-            )
-        raise ScheduleMismatchError(
-            f"{self.__name__}: ranks compiled different collective sequences: {difference}. The "
-            "step must issue the same collectives with the same shapes on every rank: check "
-            "that every rank passes batches of the same shape and that no branch depends on "
-            "the rank."
-        )
+    def _compare(self, lines: list[Line]) -> Any:
+        return find_difference(lines, self._group) if _runtime.world_size(self._group) > 1 else None
 
-    def _measured_machine(self, tensors: list[torch.Tensor]) -> _cost.Machine | None:
+    def _measured_machine(self, tensors: list[torch.Tensor]) -> _machine.Machine | None:
         """The link and compute figures the default bucket cap is chosen from (measured on the
-        group's first compile, a collective); None when the cap is set or there is one rank."""
-        if self._options.bucket_cap_bytes is not None or self._world() == 1:
+        group's first compile, a collective); None when the policy needs none."""
+        if not self._options.cap.measures(_runtime.world_size(self._group)):
             return None
         device = next((t.device for t in tensors if t.is_floating_point()), None)
-        return _cost.measured(self._group, device or _runtime.local_device())
-
-    def _capture(
-        self, args: tuple, tensors: list[torch.Tensor], machine: _cost.Machine | None
-    ) -> _Entry:
-        """make_fx first; Dynamo for steps make_fx cannot trace (see ``_capture``)."""
-        donated = _donated_leaves(args, self._donate_argnums)
-        fused_backward = self._options.compile in (False, "fx")
-        try:
-            captured = trace_with_make_fx(self._step_fn, args, fused_backward=fused_backward)
-        except UsageError:
-            raise
-        except Exception as e:
-            make_fx_error = e
-            _runtime.log_rank0(
-                "data_parallel: make_fx could not trace %s (%s: %s); capturing with Dynamo",
-                self.__name__,
-                type(e).__name__,
-                str(e).split("\n")[0],
-            )
-        else:
-            return _Entry(schedule_graph(captured, self._options, donated, machine), captured, None)
-        dynamo = DynamoCapture(self._step_fn, fused_backward=fused_backward)
-        captured = dynamo.trace(args, tensors, make_fx_error)
-        return _Entry(schedule_graph(captured, self._options, donated, machine), captured, dynamo)
-
-
-def _describe_source(source: str) -> str:
-    return source if source.startswith("the rank") else f"argument leaf {source}"
-
-
-def _tensor_paths(args: tuple) -> list[str]:
-    leaves = optree.tree_leaves(args)
-    return [p for p, x in zip(leaf_paths(args), leaves) if isinstance(x, torch.Tensor)]
-
-
-def _tensor_indices_of_arg(args: tuple, n: int) -> range:
-    before = sum(isinstance(x, torch.Tensor) for a in args[:n] for x in optree.tree_leaves(a))
-    count = sum(isinstance(x, torch.Tensor) for x in optree.tree_leaves(args[n]))
-    return range(before, before + count)
+        return _machine.measured(self._group, device or _runtime.local_device())
 
 
 def _donated_leaves(args: tuple, argnums: tuple[int, ...]) -> set[int]:
@@ -559,8 +262,44 @@ def _donated_leaves(args: tuple, argnums: tuple[int, ...]) -> set[int]:
             )
     donated: set[int] = set()
     for n in {n % len(args) for n in argnums}:
-        donated.update(_tensor_indices_of_arg(args, n))
+        donated.update(tensor_indices_of_arg(args, n))
     return donated
+
+
+@overload
+def data_parallel(
+    step_fn: Callable[..., Any],
+    *,
+    axis_name: str = ...,
+    bucket_cap_mb: float | None = ...,
+    first_bucket_cap_mb: float = ...,
+    compile: bool | str = ...,
+    donate_argnums: int | Sequence[int] = ...,
+    comm_dtype: torch.dtype | None = ...,
+    group: dist.ProcessGroup | None = ...,
+    trace: bool = ...,
+    check_replicas: bool | Sequence[int] = ...,
+    cache_size: int = ...,
+    overlap_steps: bool = ...,
+) -> DataParallelStep: ...
+
+
+@overload
+def data_parallel(
+    step_fn: None = ...,
+    *,
+    axis_name: str = ...,
+    bucket_cap_mb: float | None = ...,
+    first_bucket_cap_mb: float = ...,
+    compile: bool | str = ...,
+    donate_argnums: int | Sequence[int] = ...,
+    comm_dtype: torch.dtype | None = ...,
+    group: dist.ProcessGroup | None = ...,
+    trace: bool = ...,
+    check_replicas: bool | Sequence[int] = ...,
+    cache_size: int = ...,
+    overlap_steps: bool = ...,
+) -> Callable[[Callable[..., Any]], DataParallelStep]: ...
 
 
 def data_parallel(
@@ -577,7 +316,7 @@ def data_parallel(
     check_replicas: bool | Sequence[int] = True,
     cache_size: int = 16,
     overlap_steps: bool = False,
-) -> Any:
+) -> DataParallelStep | Callable[[Callable[..., Any]], DataParallelStep]:
     """Turn a pure training step into one replicated over the ranks of a process group.
 
     ``step_fn(*args)`` is traced once per input signature (tree structure, shapes, dtypes,
@@ -600,7 +339,8 @@ def data_parallel(
             figures. On more than two ranks the cap can change the order of a gradient's sums
             (last-bit differences), so set it for bitwise reproducible runs.
         first_bucket_cap_mb: cap of the first bucket, small so communication starts early.
-        compile: False runs the scheduled FX graph; True or ``"inductor"`` compiles it.
+        compile: False (or ``"fx"``) runs the scheduled FX graph; True (or ``"inductor"``)
+            compiles it with Inductor.
         donate_argnums: arguments whose storage the step may reuse for its outputs.
         comm_dtype: cast each bucket to this dtype for the all-reduce (e.g. ``torch.bfloat16``).
         group: the process group (default: the world).
@@ -627,8 +367,14 @@ def data_parallel(
             the wire had been idle (README, "Overlap across steps"). Touching an output every
             step (``loss.item()``) makes the step wait for it. Needs ``compile=False``.
 
+    Every rank must build the step with the same options and call it at the same points: on
+    every call the ranks compare the step, its options and the arguments' signature (one small
+    all-reduce, settled before the step's first collective and before anything is written into
+    a donated argument), and a difference is a ``ScheduleMismatchError`` on every rank.
+
     Returns:
-        A callable with ``step_fn``'s signature, with ``.schedule(*args)`` for the plan.
+        A :class:`DataParallelStep` with ``step_fn``'s signature, with ``.schedule(*args)``
+        for the plan (used as ``@data_parallel(...)``, a decorator that makes one).
 
     >>> import fddp, torch
     >>> @fddp.data_parallel
@@ -638,46 +384,95 @@ def data_parallel(
     >>> step(torch.ones(2), torch.ones(3, 2))
     tensor([0.6000, 0.6000])
     """
+    options: dict[str, Any] = dict(
+        axis_name=axis_name,
+        bucket_cap_mb=bucket_cap_mb,
+        first_bucket_cap_mb=first_bucket_cap_mb,
+        compile=compile,
+        donate_argnums=donate_argnums,
+        comm_dtype=comm_dtype,
+        group=group,
+        trace=trace,
+        check_replicas=check_replicas,
+        cache_size=cache_size,
+        overlap_steps=overlap_steps,
+    )
     if step_fn is None:
-        return functools.partial(
-            data_parallel,
-            axis_name=axis_name,
-            bucket_cap_mb=bucket_cap_mb,
-            first_bucket_cap_mb=first_bucket_cap_mb,
-            compile=compile,
-            donate_argnums=donate_argnums,
-            comm_dtype=comm_dtype,
-            group=group,
-            trace=trace,
-            check_replicas=check_replicas,
-            cache_size=cache_size,
-            overlap_steps=overlap_steps,
+        return functools.partial(_data_parallel, **options)
+    return _data_parallel(step_fn, **options)
+
+
+def _qualified_name(fn: Callable[..., Any]) -> str:
+    fn = getattr(fn, "func", fn)  # a functools.partial: the function it binds
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def _backend(compile: bool | str) -> str:
+    """``compile=`` decoded: ``"fx"`` (False, or ``"fx"``) or ``"inductor"`` (True)."""
+    backend = "inductor" if compile is True else "fx" if compile is False else compile
+    if backend not in _pipeline.BACKENDS:
+        raise ValueError(
+            f"compile={compile!r}: use False (run the scheduled FX graph) or True (compile it "
+            "with Inductor; 'inductor' and 'fx' name the two as well)."
         )
+    return backend
+
+
+def _data_parallel(
+    step_fn: Callable[..., Any],
+    *,
+    axis_name: str,
+    bucket_cap_mb: float | None,
+    first_bucket_cap_mb: float,
+    compile: bool | str,
+    donate_argnums: int | Sequence[int],
+    comm_dtype: torch.dtype | None,
+    group: dist.ProcessGroup | None,
+    trace: bool,
+    check_replicas: bool | Sequence[int],
+    cache_size: int,
+    overlap_steps: bool,
+) -> DataParallelStep:
     if (bucket_cap_mb is not None and bucket_cap_mb <= 0) or first_bucket_cap_mb <= 0:
         raise ValueError("bucket_cap_mb and first_bucket_cap_mb must be positive (MiB).")
-    if compile not in (False, True, "fx", "inductor"):
-        raise ValueError(f"compile={compile!r}: use False (run the FX graph) or True/'inductor'.")
     if cache_size < 1:
         raise ValueError(f"cache_size={cache_size}: keep at least one compiled program.")
-    if overlap_steps and compile not in (False, "fx"):
+    backend = _backend(compile)
+    if overlap_steps and backend != "fx":
         raise ValueError(
             "overlap_steps runs the scheduled graph without Inductor: use compile=False."
         )
-    options = Options(
-        bucket_cap_bytes=None if bucket_cap_mb is None else int(bucket_cap_mb * 2**20),
-        first_bucket_cap_bytes=int(first_bucket_cap_mb * 2**20),
-        comm_dtype=comm_dtype,
-        compile=compile,
-        overlap_steps=overlap_steps,
+    cap = CapPolicy(
+        fixed=None if bucket_cap_mb is None else int(bucket_cap_mb * 2**20),
+        first=int(first_bucket_cap_mb * 2**20),
     )
+    options = _pipeline.Options(cap, comm_dtype, backend, overlap_steps)
     donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    checked = (0,) if check_replicas is True else tuple(check_replicas or ())
+    described: list[Line] = [
+        (
+            "the step",
+            f"{getattr(step_fn, '__module__', '')}.{getattr(step_fn, '__qualname__', '')}",
+        ),
+        ("option axis_name", repr(axis_name)),
+        ("option bucket_cap_mb", repr(bucket_cap_mb)),
+        ("option first_bucket_cap_mb", repr(first_bucket_cap_mb)),
+        ("option compile", repr(backend)),
+        ("option donate_argnums", repr(donate)),
+        ("option comm_dtype", repr(comm_dtype)),
+        ("option trace", repr(trace)),
+        ("option check_replicas", repr(checked)),
+        ("option cache_size", repr(cache_size)),
+        ("option overlap_steps", repr(overlap_steps)),
+    ]
     return DataParallelStep(
         step_fn,
         axis_name=axis_name,
         options=options,
+        described=described,
         donate_argnums=donate,
         group=group,
         trace=trace,
-        check_replicas=(0,) if check_replicas is True else tuple(check_replicas or ()),
+        check_replicas=checked,
         cache_size=cache_size,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import weakref
 from typing import Any
 
 import optree
@@ -113,6 +114,23 @@ def ensure_group() -> None:
     """Make sure the default group exists (joining it as :func:`init` would with defaults)."""
     if not dist.is_initialized():
         _join(None, None, explicit=False)
+
+
+_side_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def side_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """A second gloo group of ``group``'s ranks, one per group for the whole process, for small
+    checks that must not queue behind collectives in flight on ``group``. Collective the first
+    time: every rank of ``group`` calls it at the same point."""
+    parent = group if group is not None else dist.group.WORLD
+    assert parent is not None  # ensure_group() made the default group
+    if parent not in _side_groups:
+        ranks = dist.get_process_group_ranks(parent)
+        _side_groups[parent] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    return _side_groups[parent]
 
 
 def is_peer_failure(error: BaseException) -> bool:

@@ -30,6 +30,7 @@ import optree
 import torch
 import torch.nn.functional as F
 
+from fddp import _bucket_policy
 from fddp._axes import DEFAULT_AXIS
 from fddp._collectives import (
     ProcessAxis,
@@ -41,10 +42,6 @@ from fddp._collectives import (
 )
 from fddp._optim import call_update, takes_shard_axes
 from fddp._types import GradientTransformation, OptState, Params, Updates
-
-_AUTO_CAP_FRACTION = 16
-_MIN_CAP_BYTES = 2**20
-_MAX_CAP_BYTES = 25 * 2**20
 
 
 class ShardedState(NamedTuple):
@@ -76,9 +73,9 @@ def _buckets(
     shapes: tuple[tuple[tuple[int, ...], torch.dtype], ...], replicas: int, cap_bytes: int | None
 ) -> tuple[Bucket, ...]:
     """Whole leaves in flattening order, one dtype per bucket, each up to the cap."""
-    if cap_bytes is None:
+    if cap_bytes is None:  # the layout is the state's: noise in a measurement must not move it
         total = sum(math.prod(s) * d.itemsize for s, d in shapes)
-        cap_bytes = min(_MAX_CAP_BYTES, max(_MIN_CAP_BYTES, total // _AUTO_CAP_FRACTION))
+        cap_bytes = _bucket_policy.rule_of_thumb(total, _bucket_policy.FIRST_CAP_BYTES)
     open_buckets: dict[torch.dtype, tuple[list[int], int]] = {}
     done: list[list[int]] = []
     for i, (shape, dtype) in enumerate(shapes):

@@ -78,9 +78,6 @@ def inductor_runner(gm: fx.GraphModule) -> Runner:
     return run
 
 
-def build(gm: fx.GraphModule, compile: bool | str) -> Runner:
-    if compile in (False, None, "fx"):
-        return fx_runner(gm)
-    if compile in (True, "inductor"):
-        return inductor_runner(gm)
-    raise ValueError(f"compile={compile!r}: use False (run the FX graph) or True/'inductor'.")
+def build(gm: fx.GraphModule, backend: str) -> Runner:
+    """Run ``gm`` as Python code (``"fx"``) or compiled by Inductor (``"inductor"``)."""
+    return inductor_runner(gm) if backend == "inductor" else fx_runner(gm)

@@ -90,22 +90,6 @@ def total_bytes(members: list[Member]) -> int:
     return sum(nbytes(m.source) for m in members)
 
 
-DDP_CAP_BYTES = 25 * 2**20
-AUTO_CAP_FRACTION = 16
-
-
-def auto_cap(members: list[Member], first_cap: int) -> int:
-    """The default cap: a sixteenth of all the bytes to reduce, within [first_cap, 25 MiB].
-
-    Since a bucket closes only once it reaches the cap, that makes about 8 to 16 buckets.
-    Measured with 2 gloo ranks behind a 5 Gbit/s link (benchmarks/): 8-layer MLP, 33 MB of
-    gradients, nine 4 MiB buckets 144-175 ms a step against 199-236 ms with 25 MiB ones; on
-    plain loopback the two were within noise.
-    """
-    total = total_bytes(members)
-    return min(DDP_CAP_BYTES, max(first_cap, total // AUTO_CAP_FRACTION))
-
-
 def assign(members: list[Member], cap: int, first_cap: int) -> list[list[Member]]:
     """Group members (sorted by ready position) into buckets; pure, no graph changes."""
     open_buckets: dict[tuple, tuple[list[Member], int, int]] = {}

@@ -32,7 +32,8 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fddp._errors import CaptureError, PrintWhileTracingWarning
+from fddp import _runtime
+from fddp._errors import CaptureError, PrintWhileTracingWarning, UsageError
 from fddp._schedule import _backward_mode
 from fddp._schedule._graph import remove_double_waits
 
@@ -476,3 +477,30 @@ def _explain(error: BaseException, make_fx_error: BaseException | None) -> str:
         f"{hint} Or pass trace=False to run the same step eagerly (collectives bucketed, no "
         "backward overlap)." + "".join(f"\n({note})" for note in notes)
     )
+
+
+def capture(
+    fn: Callable[..., Any], args: tuple, tensors: list[torch.Tensor], *, fused_backward: bool
+) -> tuple[Captured, DynamoCapture | None]:
+    """make_fx first; Dynamo for steps make_fx cannot trace (Hugging Face models branch on
+    tensor values unless Dynamo compiles them). The Dynamo capture comes back too: its first
+    run goes through Dynamo (:meth:`DynamoCapture.run_once`).
+
+    Raises:
+        UsageError: a mistake fddp names itself, as it is.
+        CaptureError: what both make_fx and Dynamo said.
+    """
+    try:
+        return trace_with_make_fx(fn, args, fused_backward=fused_backward), None
+    except UsageError:
+        raise
+    except Exception as e:
+        make_fx_error = e
+        _runtime.log_rank0(
+            "data_parallel: make_fx could not trace %s (%s: %s); capturing with Dynamo",
+            getattr(fn, "__name__", "the step"),
+            type(e).__name__,
+            str(e).split("\n")[0],
+        )
+    dynamo = DynamoCapture(fn, fused_backward=fused_backward)
+    return dynamo.trace(args, tensors, make_fx_error), dynamo

@@ -42,11 +42,10 @@ def armed(settle: Callable[[], None]) -> Iterator[None]:
         _armed.settle = None
 
 
-def insert(graph: fx.Graph) -> bool:
-    """Place the gate before the first collective; False if the graph has none."""
+def insert(graph: fx.Graph) -> fx.Node | None:
+    """Place the gate before the first collective; None if the graph has none."""
     first = next((n for n in graph.nodes if is_collective(n)), None)
     if first is None:
-        return False
+        return None
     with graph.inserting_before(first):
-        graph.call_function(signature_gate, ())
-    return True
+        return graph.call_function(signature_gate, ())

@@ -1,13 +1,19 @@
-"""The pass pipeline from a captured aten graph to a runnable step, in DESIGN.md's order:
-replication analysis, bucket, overlap, reinplace, describe, build."""
+"""The pipeline from a step to a runnable program, in DESIGN.md's order: capture (make_fx, else
+Dynamo), replication analysis, bucket, overlap, reinplace, describe, build; then the ranks
+compare what they compiled."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import torch
-from torch import fx
 
+from fddp._agree import Difference, Line
+from fddp._bucket_policy import CapPolicy
+from fddp._errors import ScheduleMismatchError
+from fddp._machine import Machine
 from fddp._schedule import (
     _across_steps,
     _backend,
@@ -19,36 +25,27 @@ from fddp._schedule import (
     _reinplace,
     _replication,
 )
-from fddp._schedule._capture import Captured
+from fddp._schedule._capture import Captured, capture
+from fddp._schedule._program import Compiled, Program
+
+BACKENDS = ("fx", "inductor")  # run the scheduled FX graph, or compile it with Inductor
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    bucket_cap_bytes: int | None  # None: automatic, see _bucket.auto_cap
-    first_bucket_cap_bytes: int
+    cap: CapPolicy
     comm_dtype: torch.dtype | None
-    compile: bool | str
+    backend: str  # one of BACKENDS
     overlap_steps: bool = False
 
-
-@dataclasses.dataclass
-class Program:
-    """A scheduled graph ready to run, with its plan, its collective sequence, and for each
-    graph output the placeholders it depends on without a collective in between (see
-    ``_replication.dependencies``)."""
-
-    graph: fx.GraphModule
-    schedule: _plan.Plan
-    sequence: list[str]
-    run: _backend.Runner
-    output_dependencies: list[int]
-    rank_bit: int
-    across_steps: _across_steps.AcrossSteps | None = None  # overlap_steps=True, if any wait
-    gated: bool = False  # a gate settles the call's signature check before the first collective
+    @property
+    def in_place(self) -> bool:
+        """The FX backend runs buckets and updates in place; Inductor needs functional ops."""
+        return self.backend == "fx"
 
 
 def schedule_graph(
-    captured: Captured, options: Options, donated: set[int], machine: _cost.Machine | None = None
+    captured: Captured, options: Options, donated: set[int], machine: Machine | None = None
 ) -> Program:
     """Bucket, overlap and reinplace the captured graph, then build its runner.
 
@@ -61,15 +58,17 @@ def schedule_graph(
     output_dependencies, rank_bit = _replication.dependencies(graph)
     _overlap.hoist_gradient_sums(graph)
     members = _bucket.find_members(graph)
-    cap, cap_reason = _bucket_cap(graph, members, options, machine)
-    buckets = _bucket.assign(members, cap, options.first_bucket_cap_bytes)
-    in_place = options.compile in (False, None, "fx")
+    first, machine = options.cap.first, machine if members else None
+    predict = _cost.predictor(graph, members, first, machine) if machine else None
+    cap = options.cap.choose(_bucket.total_bytes(members), machine, predict)
+    buckets = _bucket.assign(members, cap.cap, first)
+    in_place = options.in_place
     bucket_nodes = _bucket.rewrite(graph, buckets, options.comm_dtype, functional=not in_place)
     if in_place:
         _bucket.pack_concatenations_in_place(graph)
     _overlap.overlap(graph)
     across_steps = None
-    gated = in_place and _gate.insert(graph)  # Inductor cannot compile a Python call
+    gate = _gate.insert(graph) if in_place else None  # Inductor cannot compile a Python call
     if in_place:
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         is_donated = [isinstance(s, int) and s in donated for s in captured.inputs]
@@ -77,30 +76,70 @@ def schedule_graph(
             gm.recompile()
             across_steps = _across_steps.AcrossSteps(gm, is_donated)
             across_steps = across_steps if across_steps.active else None
-        _reinplace.reinplace(graph, {n for n, d in zip(placeholders, is_donated) if d})
+        # a donated argument is written only after the gate: a call that the ranks' agreement
+        # refuses leaves it as it was
+        donated_nodes = {n for n, d in zip(placeholders, is_donated) if d}
+        _reinplace.reinplace(graph, donated_nodes, donated_writable_after=gate)
     graph.lint()
     gm.recompile()
     plan = _plan.describe(graph, bucket_nodes, captured.seconds, captured.method)
-    plan = dataclasses.replace(plan, bucket_cap=cap_reason if members else "")
-    runner = _backend.build(gm, options.compile)
+    plan = dataclasses.replace(plan, bucket_cap=str(cap) if members else "")
+    runner = _backend.build(gm, options.backend)
     sequence = _plan.collective_sequence(graph)
-    return Program(gm, plan, sequence, runner, output_dependencies, rank_bit, across_steps, gated)
+    return Program(
+        gm, plan, sequence, runner, output_dependencies, rank_bit, across_steps, gate is not None
+    )
 
 
-def _bucket_cap(
-    graph: fx.Graph,
-    members: list[_bucket.Member],
+Compare = Callable[[list[Line]], "Difference | None"]  # the ranks' lines: where they differ
+
+
+def compile_step(
+    step_fn: Callable[..., Any],
+    args: tuple,
+    tensors: list[torch.Tensor],
     options: Options,
-    machine: _cost.Machine | None,
-) -> tuple[int, str]:
-    """The cap in bytes for the buckets after the first, and a line that says where it came
-    from."""
-    first = options.first_bucket_cap_bytes
-    if options.bucket_cap_bytes is not None:
-        cap = options.bucket_cap_bytes
-        return cap, f"bucket cap {cap / _cost.MIB:g} MiB, set by bucket_cap_mb"
-    if machine is None or not members:
-        cap = _bucket.auto_cap(members, first)
-        return cap, f"bucket cap {cap / _cost.MIB:g} MiB, a sixteenth of the gradient bytes"
-    choice = _cost.choose_cap(graph, members, first, machine)
-    return choice.cap, str(choice)
+    donated: set[int],
+    machine: Machine | None,
+    compare: Compare,
+    name: str,
+) -> Compiled:
+    """Capture and schedule ``step_fn(*args)``, then compare the outcome across ranks.
+
+    ``compare`` compares labelled lines across the ranks (a collective). Every rank learns
+    every rank's capture outcome and collective sequence: a capture error on one rank is raised
+    on every rank (the others name it), and ranks that compiled different collective
+    sequences raise instead of running them into a hang.
+    """
+    error: Exception | None = None
+    compiled: Compiled | None = None
+    try:
+        captured, dynamo = capture(step_fn, args, tensors, fused_backward=options.in_place)
+        compiled = Compiled(schedule_graph(captured, options, donated, machine), captured, dynamo)
+    except Exception as e:  # every rank must learn about it before anyone runs a collective
+        error = e
+    status = f"failed with {type(error).__name__}: {error}" if error else "captured"
+    lines = [("the capture", status.split("\n")[0])]
+    sequence = compiled.program.sequence if compiled else []
+    lines += [(f"collective #{i}", s) for i, s in enumerate(sequence)]
+    difference = compare(lines)
+    if error is not None:
+        raise error
+    assert compiled is not None
+    if difference is None:
+        return compiled
+    if difference.label == "the capture":
+        failed_rank, failure = (
+            (difference.rank, difference.theirs)
+            if difference.ours == "captured"
+            else (0, difference.ours)
+        )
+        raise RuntimeError(
+            f"{name}: rank {failed_rank} {failure.removeprefix('failed with ')} while "
+            "capturing the step; this rank stops too instead of waiting for it."
+        )
+    raise ScheduleMismatchError(
+        f"{name}: ranks compiled different collective sequences: {difference}. The step must "
+        "issue the same collectives with the same shapes on every rank: check that every rank "
+        "passes batches of the same shape and that no branch depends on the rank."
+    )

@@ -149,14 +149,20 @@ def _disjoint(tensors: list[torch.Tensor]) -> bool:
     return True
 
 
-def reinplace(graph: fx.Graph, donated: set[fx.Node]) -> int:
+def reinplace(
+    graph: fx.Graph, donated: set[fx.Node], *, donated_writable_after: fx.Node | None = None
+) -> int:
     """Rewrite eligible pointwise ops to their in-place form; returns how many were rewritten.
 
     Donated placeholders count as dead after their last read, so the optimizer's final
-    ``params + updates`` (and the moment updates) land in the donated buffers.
+    ``params + updates`` (and the moment updates) land in the donated buffers; only ops after
+    ``donated_writable_after`` (when given) may write into them.
     """
     storages = _Storages(graph)
     protected = _protected(graph, donated)
+    after = donated_writable_after
+    first_write = storages.pos[after] if after is not None else -1
+    donated_storages = {k for n in donated for k in storages.of_node.get(n, [])}
     rewritten = 0
     for node in list(graph.nodes):
         op = node.target if node.op == "call_function" else None
@@ -170,6 +176,8 @@ def reinplace(graph: fx.Graph, donated: set[fx.Node]) -> int:
             continue
         keys = [k for s in selfs for k in storages.of_node.get(s, [])]
         if any(k in protected for k in keys) or not _disjoint([s.meta["val"] for s in selfs]):
+            continue
+        if storages.pos[node] < first_write and any(k in donated_storages for k in keys):
             continue
         if not all(storages.dead_after(node, s) for s in selfs):
             continue

@@ -1,0 +1,130 @@
+"""A compiled step: the scheduled graph's runner and how the step's outputs come out of it."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+from torch import fx
+
+from fddp import _axes
+from fddp._schedule import _across_steps, _backend, _gate, _plan
+from fddp._schedule._capture import Captured, DynamoCapture
+from fddp._signature import leaf_paths
+
+RANK_SOURCE = "the rank (fddp.axis_index, or a psum_scatter block)"
+
+
+@dataclasses.dataclass
+class Program:
+    """A scheduled graph ready to run, with its plan, its collective sequence, and for each
+    graph output the placeholders it depends on without a collective in between (see
+    ``_replication.dependencies``)."""
+
+    graph: fx.GraphModule
+    schedule: _plan.Plan
+    sequence: list[str]
+    run: _backend.Runner
+    output_dependencies: list[int]
+    rank_bit: int
+    across_steps: _across_steps.AcrossSteps | None = None  # overlap_steps=True, if any wait
+    gated: bool = False  # a gate settles the call's signature check before the first collective
+
+
+@dataclasses.dataclass
+class Compiled:
+    """The program for one signature, the capture it came from, and what its first call learns.
+
+    A Dynamo capture (``dynamo`` set) learns where each output leaf comes from on its first run,
+    which goes through Dynamo. The first call also learns which tensor arguments differ across
+    ranks (``varying_tensors``, before it runs) and so which outputs do (``varying_outputs``:
+    output leaf -> what it is computed from, see :meth:`output_sources`).
+    """
+
+    program: Program
+    captured: Captured
+    dynamo: DynamoCapture | None
+    varying_tensors: list[bool] | None = None
+    varying_outputs: dict[int, str] | None = None
+
+    @property
+    def first_call(self) -> bool:
+        """Whether the next call is the first (it runs collectives of its own before the step)."""
+        return self.varying_tensors is None or self.dynamo is not None
+
+    def run(
+        self, args: tuple, tensors: list[torch.Tensor], settle: Callable[[], None], axis: _axes.Axis
+    ) -> Any:
+        """Run the step; ``settle`` (the call's agreement) runs before its first collective,
+        and before anything at all when no gate sits in the graph."""
+        if self.dynamo is not None:
+            settle()
+            return self._run_first(args, tensors, axis)
+        program = self.program
+        if not program.gated or program.across_steps is not None:
+            settle()  # a merged program runs the last call's tail before its gate
+        with _gate.armed(settle):
+            results = (program.across_steps or program.run)(self.graph_inputs(tensors))
+        settle()
+        outputs = self.captured.outputs
+        assert outputs is not None  # a Dynamo capture learns them in _run_first
+        leaves = [
+            results[v] if kind == "graph" else tensors[v] if kind == "arg" else v
+            for kind, v in outputs
+        ]
+        return optree.tree_unflatten(self.captured.out_spec, leaves)
+
+    def graph_inputs(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [tensors[i] if isinstance(i, int) else i for i in self.captured.inputs]
+
+    def _run_first(self, args: tuple, tensors: list[torch.Tensor], axis: _axes.Axis) -> Any:
+        """Run a Dynamo capture once through Dynamo, learning where each output leaf comes from."""
+        assert self.dynamo is not None
+        with _axes.bind(axis):
+            out, graph_outputs = self.dynamo.run_once(args, self.program.run)
+        self.dynamo = None
+        leaves, out_spec = optree.tree_flatten(out)
+        from_graph = {id(t): k for k, t in enumerate(graph_outputs)}
+        from_args = {id(t): i for i, t in enumerate(tensors)}
+        outputs: list[tuple[str, Any]] = []
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor):
+                outputs.append(("const", leaf))
+            elif id(leaf) in from_graph:
+                outputs.append(("graph", from_graph[id(leaf)]))
+            elif id(leaf) in from_args:
+                outputs.append(("arg", from_args[id(leaf)]))
+            else:
+                raise AssertionError("an output tensor of the captured step has no known source")
+        self.captured = dataclasses.replace(self.captured, outputs=outputs, out_spec=out_spec)
+        return out
+
+    def output_paths(self) -> list[str]:
+        spec = self.captured.out_spec
+        assert spec is not None  # known after the first call
+        return leaf_paths(optree.tree_unflatten(spec, list(range(spec.num_leaves))))
+
+    def output_sources(self, varying: list[bool], tensor_paths: list[str]) -> dict[int, str]:
+        """Which output leaves vary across ranks, given which tensor arguments do: output leaf
+        -> the path of a per-rank argument leaf it is computed from without a collective in
+        between (or :data:`RANK_SOURCE`)."""
+        program, outputs = self.program, self.captured.outputs
+        assert outputs is not None  # known after the first call
+        sources = {}
+        for j, (kind, v) in enumerate(outputs):
+            source = None
+            if kind == "arg" and varying[v]:
+                source = tensor_paths[v]
+            elif kind == "graph":
+                bits = program.output_dependencies[v]
+                if bits & program.rank_bit:
+                    source = RANK_SOURCE
+                for k, s in enumerate(self.captured.inputs):
+                    if source is None and bits >> k & 1 and isinstance(s, int) and varying[s]:
+                        source = tensor_paths[s]
+            if source is not None:
+                sources[j] = source
+        return sources
