@@ -8,10 +8,12 @@ import os
 import pickle
 import re
 import secrets
+import shutil
+import stat
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, BinaryIO, TypeVar
 
 import optree
@@ -20,7 +22,8 @@ import torch.distributed as dist
 
 from fddp import _pending, _runtime
 from fddp._errors import RankFailureError, SaveArrivalError
-from fddp.typing import TensorTree
+from fddp._types import TensorTree
+from fddp._zero import ShardedState
 
 try:
     import fcntl
@@ -41,9 +44,11 @@ _MAX_LISTED = 10
 # How long rank 0 waits for the other ranks to enter a rank0_only save before it calls the save
 # a mistake (`if rank == 0: fddp.save(...)`); independent of the, much longer, collective timeout.
 _ARRIVAL_TIMEOUT_S = 10.0
-# An unlocked temporary file this young and still empty may be a writer's, created but not yet
-# locked (see _remove_orphans).
+# An unlocked temporary file (or directory) this young and still empty may be a writer's,
+# created but not yet locked (see _remove_unlocked).
 _FRESH_TEMP_S = 60.0
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 PathLike = str | os.PathLike[str]
 T = TypeVar("T")
@@ -89,7 +94,10 @@ def save(path: PathLike, tree: TensorTree, *, rank0_only: bool = True) -> None:
         rank0_only: Whether only rank 0 writes (state replicated on every rank).
 
     Raises:
-        TypeError: If a leaf is neither a tensor nor a bool, int, float or str.
+        TypeError: If a leaf is neither a tensor nor a bool, int, float or str; or, with
+            ``rank0_only=True`` on more than one rank, if the tree holds the state of
+            ``fddp.optim.shard_state`` (each rank has its own shard: save it with
+            :func:`fddp.save_sharded`); nothing is written.
         OSError: If writing fails (disk full, permissions), with its ``errno`` and ``path``.
         SaveArrivalError: (a ``ValueError`` and a ``RankFailureError``) If a rank did not call
             ``save`` in time with ``rank0_only=True``; nothing is written.
@@ -124,6 +132,7 @@ def save(path: PathLike, tree: TensorTree, *, rank0_only: bool = True) -> None:
     if not distributed or dist.get_world_size() == 1:
         _write_atomic(path, payload)
         return
+    _refuse_sharded_state(tree)
     with _saves_lock:  # one save at a time, so that every rank numbers them alike
         global _saves
         number, _saves = _saves, _saves + 1
@@ -154,15 +163,17 @@ def _save_from_rank0(path: str, payload: dict[str, Any], number: int) -> None:
         raise RuntimeError(f"rank 0 failed to save checkpoint {path}: {status[0]}")
 
 
-def _peer_checked(fn: Callable[..., T], *args: Any, start: float, **kwargs: Any) -> T:
-    """``fn(*args, **kwargs)``, a collective or store operation of ``save``, with a failure to
-    hear from another rank raised as :class:`RankFailureError`."""
+def _peer_checked(
+    fn: Callable[..., T], *args: Any, start: float, where: str = "fddp.save", **kwargs: Any
+) -> T:
+    """``fn(*args, **kwargs)``, a collective or store operation of ``where``, with a failure
+    to hear from another rank raised as :class:`RankFailureError`."""
     try:
         return fn(*args, **kwargs)
     except RuntimeError as e:
         if isinstance(e, RankFailureError) or not _runtime.is_peer_failure(e):
             raise
-        raise _runtime.peer_failure(e, "fddp.save", time.monotonic() - start) from e
+        raise _runtime.peer_failure(e, where, time.monotonic() - start) from e
 
 
 def _check_arrival(path: str, number: int) -> None:
@@ -273,45 +284,29 @@ def load(path: PathLike, like: TensorTree | None = None) -> TensorTree:
     devices = {leaf.device for leaf in like_leaves if isinstance(leaf, torch.Tensor)}
     payload = _read(path, map_location=devices.pop() if len(devices) == 1 else "cpu")
     saved = dict(zip(payload["paths"], payload["leaves"]))
-
-    missing = [p for p in like_paths if p not in saved]
-    like_set = set(like_paths)
-    extra = [p for p in payload["paths"] if p not in like_set]
-    if missing or extra:
-        raise ValueError(
-            f"checkpoint {path} does not have the structure of `like`:\n"
-            f"  leaves in `like` but not in the file: {_listing(missing)}\n"
-            f"  leaves in the file but not in `like`: {_listing(extra)}\n"
-            f"  saved structure: {_shorten(payload['structure'])}\n"
-            "Build `like` the way the saved tree was built (same model config, same optimizer), "
-            "or call load(path) without `like` to get the saved {path: leaf} dict and migrate it."
-        )
-
+    _check_structure(
+        path,
+        like_paths,
+        payload["paths"],
+        "file",
+        f"  saved structure: {_shorten(payload['structure'])}\n"
+        "Build `like` the way the saved tree was built (same model config, same optimizer), "
+        "or call load(path) without `like` to get the saved {path: leaf} dict and migrate it.",
+    )
     leaves = []
     problems = []
     for leaf_path, want in zip(like_paths, like_leaves):
         got = saved[leaf_path]
-        if isinstance(want, torch.Tensor):
-            if not isinstance(got, torch.Tensor):
-                problems.append(f"{leaf_path}: {type(got).__name__} in the file, Tensor in like")
-                continue
-            if got.shape != want.shape:
-                shapes = f"{tuple(got.shape)} in the file, {tuple(want.shape)} in like"
-                problems.append(f"{leaf_path}: shape {shapes}")
-            if got.dtype != want.dtype:
-                problems.append(f"{leaf_path}: dtype {got.dtype} in the file, {want.dtype} in like")
+        problems += _leaf_problems(leaf_path, got, want, "file")
+        if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor):
             got = got.to(want.device)
-        elif type(got) is not type(want):
-            types = f"{type(got).__name__} in the file, {type(want).__name__} in like"
-            problems.append(f"{leaf_path}: {types}")
         leaves.append(got)
-    if problems:
-        raise ValueError(
-            f"checkpoint {path} does not match `like` ({len(problems)} mismatches):\n  "
-            + _listing(problems, sep="\n  ")
-            + "\nBuild `like` with the shapes and dtypes of the saved run (same model config and "
-            "dtype), or call load(path) without `like` and convert the leaves yourself."
-        )
+    _check_leaves(
+        path,
+        problems,
+        "Build `like` with the shapes and dtypes of the saved run (same model config and "
+        "dtype), or call load(path) without `like` and convert the leaves yourself.",
+    )
     return optree.tree_unflatten(treespec, leaves)
 
 
@@ -319,6 +314,71 @@ def _flatten(tree: TensorTree) -> tuple[list[str], list[Any], optree.PyTreeSpec]
     """Flatten ``tree`` into (readable leaf paths such as ``['opt'].mu['w']``, leaves, spec)."""
     accessors, leaves, treespec = optree.tree_flatten_with_accessor(tree)
     return [accessor.codify("") or "<root>" for accessor in accessors], leaves, treespec
+
+
+def _check_structure(
+    path: str, like_paths: list[str], saved_paths: list[str], source: str, advice: str
+) -> None:
+    """Raise ValueError naming the leaves of ``like`` that were not saved, and the reverse."""
+    saved = set(saved_paths)
+    missing = [p for p in like_paths if p not in saved]
+    like_set = set(like_paths)
+    extra = [p for p in saved_paths if p not in like_set]
+    if missing or extra:
+        raise ValueError(
+            f"checkpoint {path} does not have the structure of `like`:\n"
+            f"  leaves in `like` but not in the {source}: {_listing(missing)}\n"
+            f"  leaves in the {source} but not in `like`: {_listing(extra)}\n{advice}"
+        )
+
+
+class _NotATensor:
+    """Stands for a saved leaf known not to be a tensor, whose value has not been read yet."""
+
+
+def _leaf_problems(leaf_path: str, got: Any, want: Any, source: str) -> list[str]:
+    """How the saved leaf ``got`` differs from ``like``'s ``want``: kind, shape, dtype, type."""
+    name = "non-tensor" if isinstance(got, _NotATensor) else type(got).__name__
+    if not isinstance(want, torch.Tensor):
+        if isinstance(got, _NotATensor) or type(got) is type(want):
+            return []
+        return [f"{leaf_path}: {name} in the {source}, {type(want).__name__} in like"]
+    if not isinstance(got, torch.Tensor):
+        return [f"{leaf_path}: {name} in the {source}, Tensor in like"]
+    problems = []
+    if got.shape != want.shape:
+        shapes = f"{tuple(got.shape)} in the {source}, {tuple(want.shape)} in like"
+        problems.append(f"{leaf_path}: shape {shapes}")
+    if got.dtype != want.dtype:
+        problems.append(f"{leaf_path}: dtype {got.dtype} in the {source}, {want.dtype} in like")
+    return problems
+
+
+def _check_leaves(path: str, problems: list[str], advice: str) -> None:
+    if problems:
+        raise ValueError(
+            f"checkpoint {path} does not match `like` ({len(problems)} mismatches):\n  "
+            + _listing(problems, sep="\n  ")
+            + f"\n{advice}"
+        )
+
+
+def _refuse_sharded_state(tree: TensorTree) -> None:
+    """Refuse a rank0_only save of sharded optimizer state: rank 0's file would hand rank 0's
+    shards to every rank that loads it, and the parameters would drift apart unnoticed."""
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(
+        tree, is_leaf=lambda x: isinstance(x, ShardedState)
+    )
+    for accessor, leaf in zip(accessors, leaves):
+        if isinstance(leaf, ShardedState):
+            raise TypeError(
+                f"fddp.save: leaf {accessor.codify('') or '<root>'} is the state of "
+                "fddp.optim.shard_state, whose shards differ between ranks; a rank0_only save "
+                "would write rank 0's shards only, and every rank would load them. Save it with "
+                "fddp.save_sharded(directory, tree) on every rank (it loads on any number of "
+                "ranks), or each rank's own file with fddp.save(path_of_this_rank, tree, "
+                "rank0_only=False). Nothing was written."
+            )
 
 
 def _listing(items: list[str], sep: str = ", ") -> str:
@@ -333,10 +393,11 @@ def _shorten(text: str, limit: int = 400) -> str:
 
 
 class _HashingWriter:
-    """A write-only file wrapper that hashes and counts what passes through.
+    """A write-only file wrapper that hashes and counts what passes through; anything else
+    (``tell``, ``fileno``, ``close``) goes to the file.
 
     ``torch.save`` turns an exception raised by ``write`` into its own ``RuntimeError``
-    ("unexpected pos ..."), so the first ``OSError`` is kept in ``error`` to be raised instead.
+    ("unexpected pos ..."), so the first ``OSError`` is kept in ``error``: see :func:`_os_errors`.
     """
 
     def __init__(self, file: BinaryIO) -> None:
@@ -362,9 +423,41 @@ class _HashingWriter:
             self.error = self.error or e
             raise
 
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.file, name)
+
+
+@contextlib.contextmanager
+def _os_errors(writers: Iterable[_HashingWriter]) -> Iterator[None]:
+    """Raise the first ``OSError`` the writers met instead of what ``torch.save`` made of it."""
+    try:
+        yield
+    except RuntimeError:
+        error = next((w.error for w in writers if w.error is not None), None)
+        if error is None:
+            raise
+        raise error from None
+    error = next((w.error for w in writers if w.error is not None), None)
+    if error is not None:
+        raise error
+
 
 def _write_atomic(path: str, payload: dict[str, Any]) -> None:
-    """Write header + ``torch.save(payload)`` to a new temp file, fsync it, rename it onto ``path``.
+    """Write header + ``torch.save(payload)`` to ``path`` with :func:`_replace_atomically`."""
+
+    def write(f: BinaryIO) -> None:
+        f.write(bytes(_HEADER.size))
+        writer = _HashingWriter(f)
+        with _os_errors([writer]):
+            torch.save(payload, writer)  # it needs write and flush only
+        f.seek(0)
+        f.write(_HEADER.pack(_MAGIC, _VERSION, writer.sha256.digest(), writer.size))
+
+    _replace_atomically(path, write)
+
+
+def _replace_atomically(path: str, write: Callable[[BinaryIO], None]) -> None:
+    """Call ``write`` on a new temp file, fsync it and rename it onto ``path``.
 
     Raises:
         OSError: Of the failed write (ENOSPC, EDQUOT, EFBIG, EACCES...), naming ``path``; the
@@ -373,36 +466,19 @@ def _write_atomic(path: str, payload: dict[str, Any]) -> None:
     _remove_orphans(path)
     tmp = None
     try:
-        tmp, fd = _create_temp(path)
+        tmp, fd = _create_temp(f"{os.path.abspath(path)}.tmp-")
         with open(fd, "wb") as f:
-            f.write(bytes(_HEADER.size))
-            writer = _HashingWriter(f)
-            try:
-                torch.save(payload, writer)  # type: ignore[arg-type]  # needs write, flush only
-            except RuntimeError:
-                if writer.error is None:
-                    raise
-                raise writer.error from None
-            if writer.error is not None:
-                raise writer.error
-            f.seek(0)
-            f.write(_HEADER.pack(_MAGIC, _VERSION, writer.sha256.digest(), writer.size))
+            write(f)
             f.flush()
             os.fsync(f.fileno())
             # Renamed while still open, so still locked: no other save takes it for an orphan.
             os.replace(tmp, path)
-        if os.name == "posix":  # make the rename itself durable
-            dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+        _fsync_directory(os.path.dirname(os.path.abspath(path)))  # the rename itself
     except BaseException as e:
         if tmp is not None:
             _remove_quietly(tmp)
         if isinstance(e, OSError) and e.errno is not None:
-            reason = f"{e.strerror or e}; the previous checkpoint, if any, is untouched"
-            raise OSError(e.errno, f"cannot write checkpoint: {reason}", path) from e
+            raise _write_error(e, path) from e
         raise
     finally:
         if tmp is not None:
@@ -410,19 +486,41 @@ def _write_atomic(path: str, payload: dict[str, Any]) -> None:
                 _writing.discard(tmp)
 
 
-def _create_temp(path: str) -> tuple[str, int]:
-    """Create and lock a new ``<path>.tmp-<random>``; return its name and file descriptor.
+def _write_error(error: OSError, path: str, where: str = "") -> OSError:
+    """The ``OSError`` a failed save raises: ``error``'s errno, ``path``, and what is left."""
+    reason = f"{error.strerror or error}{where}; the previous checkpoint, if any, is untouched"
+    return OSError(error.errno, f"cannot write checkpoint: {reason}", path)
+
+
+def _fsync_directory(directory: str) -> None:
+    """Make the names created or renamed in ``directory`` durable (a no-op off POSIX)."""
+    if os.name == "posix":
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _create_temp(prefix: str, *, directory: bool = False) -> tuple[str, int]:
+    """Create and lock a new file (or directory) ``<prefix><random>``; return its name and fd.
 
     A unique name per save (not per process: threads share a pid, and so do processes in other
-    PID namespaces) lets saves to one path run at once. The file is created with mode 0o666
-    less the umask, like any new file, so the checkpoint gets the usual permissions.
+    PID namespaces) lets saves to one path run at once. It is created with mode 0o666 (0o777
+    for a directory) less the umask, like any new file, so the checkpoint gets the usual
+    permissions. The exclusive ``flock`` on it, held until the fd is closed, tells
+    :func:`_remove_unlocked` that its writer is alive.
     """
     while True:
-        tmp = f"{os.path.abspath(path)}.tmp-{secrets.token_hex(8)}"
+        tmp = prefix + secrets.token_hex(8)
         with _writing_lock:
             _writing.add(tmp)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0))
+            if directory:
+                os.mkdir(tmp)
+                fd = os.open(tmp, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+            else:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC)
         except FileExistsError:
             with _writing_lock:
                 _writing.discard(tmp)
@@ -439,50 +537,88 @@ def _create_temp(path: str) -> tuple[str, int]:
 
 
 def _remove_orphans(path: str) -> None:
-    """Remove the temporary files of ``path`` left by saves that were killed (SIGKILL, OOM).
+    """Remove the temporary files of ``path`` left by saves that were killed (SIGKILL, OOM)."""
+    directory, base = os.path.split(os.path.abspath(path))
+    _remove_unlocked(directory, re.escape(base) + r"\.tmp-[0-9A-Za-z]+")
 
-    A writer holds an exclusive ``flock`` on its temporary file from creation until it has
-    renamed and closed it, and the lock dies with the process. So a temp file whose lock this
-    process can take has no live writer in any other process; ``_writing`` rules out the
-    writers of this process (``flock`` does too, except on file systems that emulate it with
-    per-process POSIX locks, e.g. NFS). The one gap, a file created but not yet locked, is
-    empty: an empty file younger than ``_FRESH_TEMP_S`` is left for a later save. Where
-    ``flock`` is missing or refused, nothing is removed. Files of other paths are not touched.
+
+def _remove_unlocked(
+    directory: str, pattern: str, keep: Callable[[str], bool] | None = None
+) -> None:
+    """Remove the files and directories in ``directory`` named like ``pattern`` whose writer
+    is gone (killed by SIGKILL or the OOM killer), unless ``keep(name)``.
+
+    A writer holds an exclusive ``flock`` on its entry from creation until it has renamed or
+    published and closed it (:func:`_create_temp`), and the lock dies with the process; a
+    reader may hold a shared one. So an entry whose lock this process can take has no live
+    writer or reader in any other process; ``_writing`` rules out the writers of this process
+    (``flock`` does too, except on file systems that emulate it with per-process POSIX locks,
+    e.g. NFS). ``keep`` is asked with the lock held, when no writer can publish the entry any
+    more. The one gap, an entry created but not yet locked, is empty: an empty entry younger
+    than ``_FRESH_TEMP_S`` is left for a later save. Where ``flock`` is missing or refused,
+    nothing is removed; symbolic links are never followed into.
     """
     if fcntl is None:
         return
-    directory, base = os.path.split(os.path.abspath(path))
-    pattern = re.compile(re.escape(base) + r"\.tmp-[0-9A-Za-z]+")
     try:
-        names = [n for n in os.listdir(directory) if pattern.fullmatch(n)]
+        names = [n for n in os.listdir(directory) if re.fullmatch(pattern, n)]
     except OSError:
         return
     for name in names:
-        tmp = os.path.join(directory, name)
+        entry = os.path.join(directory, name)
         with _writing_lock:
-            if tmp in _writing:
+            if entry in _writing:
                 continue
         try:
+            is_dir = stat.S_ISDIR(os.lstat(entry).st_mode)
             # Writable: NFS emulates flock with POSIX locks, and an exclusive one needs it.
-            fd = os.open(tmp, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+            mode = os.O_RDONLY | _O_DIRECTORY if is_dir else os.O_RDWR
+            fd = os.open(entry, mode | _O_CLOEXEC)
         except OSError:
             continue  # renamed or removed meanwhile, or not ours to open
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             info = os.fstat(fd)
-            if info.st_size == 0 and time.time() - info.st_mtime < _FRESH_TEMP_S:
+            empty = not os.listdir(entry) if is_dir else info.st_size == 0
+            if empty and time.time() - info.st_mtime < _FRESH_TEMP_S:
                 continue
-            if os.path.samestat(info, os.stat(tmp)):
-                os.remove(tmp)
+            if not os.path.samestat(info, os.stat(entry)) or (keep is not None and keep(name)):
+                continue
+            if is_dir:
+                shutil.rmtree(entry)
+            else:
+                os.remove(entry)
         except OSError:
             continue  # locked by a live writer, no locks here, or gone meanwhile
         finally:
             os.close(fd)
 
 
+def _lock_shared(fd: int) -> bool:
+    """Take a shared ``flock`` on ``fd`` (a reader's: no :func:`_remove_unlocked` removes the
+    entry meanwhile); False if a remover holds it now. Where locks are missing, True."""
+    if fcntl is None:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:
+        pass  # no locks on this file system
+    return True
+
+
 def _remove_quietly(name: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.remove(name)
+
+
+def _sha256(f: BinaryIO) -> bytes:
+    """SHA-256 of the rest of ``f``, read in chunks."""
+    sha256 = hashlib.sha256()
+    while chunk := f.read(_CHUNK):
+        sha256.update(chunk)
+    return sha256.digest()
 
 
 def _read(path: str, map_location: str | torch.device) -> dict[str, Any]:
@@ -507,10 +643,7 @@ def _read(path: str, map_location: str | torch.device) -> dict[str, Any]:
         actual = os.fstat(f.fileno()).st_size - _HEADER.size
         if actual != size:
             raise ValueError(f"{broken} ({actual} payload bytes, expected {size}){untouched}")
-        sha256 = hashlib.sha256()
-        while chunk := f.read(_CHUNK):
-            sha256.update(chunk)
-        if sha256.digest() != digest:
+        if _sha256(f) != digest:
             raise ValueError(f"{broken} (SHA-256 checksum mismatch){untouched}")
         f.seek(_HEADER.size)
         try:
@@ -527,7 +660,8 @@ def _read(path: str, map_location: str | torch.device) -> dict[str, Any]:
 
 def _unpickler_reason(error: pickle.UnpicklingError) -> str:
     """The one line of torch's weights_only error that names the refused object."""
-    for line in str(error).splitlines():
-        if "WeightsUnpickler error:" in line:
-            return line.split("WeightsUnpickler error:", 1)[1].split(". ")[0].strip()
-    return str(error).splitlines()[0] if str(error) else type(error).__name__
+    text = str(error)
+    if "WeightsUnpickler error:" in text:
+        reason = text.split("WeightsUnpickler error:", 1)[1].strip()
+        return reason.splitlines()[0].split(". ")[0].strip() if reason else "no reason given"
+    return text.splitlines()[0] if text else type(error).__name__
