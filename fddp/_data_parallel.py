@@ -119,9 +119,10 @@ class DataParallelStep:
 
     def _call(self, args: tuple) -> Any:
         _runtime.ensure_group()
-        if not self._options.overlap_steps:  # a pending output is finished before it is used
-            args = _pending.finished(args)
         signature, leaves = signature_of(args)  # a pending output has its value's signature
+        if not self._options.overlap_steps and any(map(_pending.is_pending, leaves)):
+            args = _pending.finished(args)  # another step's pending outputs, finished first
+            leaves = optree.tree_leaves(args)
         check = self._calls.launch(
             signature, args, "called the step", lambda: self._replicas.compare_digests(args)
         )

@@ -4,14 +4,17 @@ A step that overlaps across calls returns before the waits and updates of its de
 have run. The outputs those produce are :class:`PendingTensor` objects: tensors with the right
 shape, dtype and device and no data yet. Passed back into the same step, they are completed
 inside the next call, each just before its first use; touched in any other way (an operator,
-``print``, ``.item()``, ``torch.save``, ``fddp.save``) they complete the whole deferred tail
-first and then behave as the finished tensor, as funcol's ``AsyncCollectiveTensor`` does for
-one collective.
+``print``, ``.item()``, ``torch.save``, ``fddp.save``, ``copy.deepcopy``, DLPack, shared memory)
+they complete the whole deferred tail first and then behave as the finished tensor, as
+funcol's ``AsyncCollectiveTensor`` does for one collective; ``torch.nn.Parameter`` of one is
+an error that names ``fddp.block_until_ready``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import sys
 import threading
 import time
 import weakref
@@ -22,9 +25,10 @@ import optree
 import torch
 
 from fddp import _runtime, _shutdown
-from fddp._errors import RankFailureError, UsageValueError
+from fddp._errors import RankFailureError, UsageTypeError, UsageValueError
 
 _DONATED = object()  # a result handed to the next call's donated storage; it is gone
+_PARAMETER_NEW = torch.nn.Parameter.__new__.__code__
 
 
 class Deferred:
@@ -165,6 +169,40 @@ class PendingTensor(torch.Tensor):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         return self.wait().__reduce_ex__(protocol)
+
+    # What reads a tensor's memory without an operator (the wrapper has none of its own): the
+    # finished tensor's, so the value is completed first.
+
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:
+        return copy.deepcopy(self.wait(), memo)
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.wait().__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self) -> Any:
+        return self.wait().__dlpack_device__()
+
+    def data_ptr(self) -> int:
+        return self.wait().data_ptr()
+
+    def share_memory_(self) -> PendingTensor:
+        """Complete the value and move it to shared memory (what the wrapper stands for)."""
+        self.wait().share_memory_()
+        return self
+
+    def is_shared(self) -> bool:
+        return self.wait().is_shared()
+
+    def detach(self) -> torch.Tensor:
+        if sys._getframe(1).f_code is _PARAMETER_NEW:
+            # nn.Parameter(x) keeps x itself when x is a tensor subclass, which would leave a
+            # module holding a wrapper that completes on every use
+            raise UsageTypeError(
+                f"torch.nn.Parameter(x): x is an output of {self._deferred.where} whose last "
+                "updates are still pending (data_parallel(..., overlap_steps=True)). Pass "
+                "fddp.block_until_ready(x), the finished tensor, instead."
+            )
+        return self.wait().detach()
 
 
 def is_pending(x: Any) -> bool:
