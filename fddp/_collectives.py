@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.fx.traceback as fx_traceback
 
-from fddp import _annotations, _axes, _runtime
+from fddp import _annotations, _axes, _bucket_policy, _runtime
 from fddp._axes import DEFAULT_AXIS
 from fddp._errors import UsageTypeError
 from fddp._tree import leaves_with_paths, tensor_leaves
@@ -25,7 +25,7 @@ from fddp._tree import leaves_with_paths, tensor_leaves
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName
 
-EAGER_BUCKET_BYTES = 25 * 2**20
+EAGER_BUCKET_BYTES = _bucket_policy.DDP_CAP_BYTES  # trace=False: no overlap to tune for
 
 
 class _AllReduceSum(torch.autograd.Function):

@@ -71,7 +71,6 @@ class DataParallelStep:
         self._donate_argnums = donate_argnums
         self._group = group
         self._trace = trace
-        self._check_replicas = check_replicas
         self._profiling = False
         name = self.__name__
         self._calls = CallCheck(name, group, described, own_group=options.overlap_steps)
