@@ -83,10 +83,9 @@ def save(path: PathLike, tree: TensorTree, *, rank0_only: bool = True) -> None:
     way to save from one rank alone, e.g. ``if fddp.rank() == 0: save(p, t, rank0_only=False)``.
 
     Note:
-        This writes one file from one process. For states too large for that (sharded
-        parameters, hundreds of GiB), use ``torch.distributed.checkpoint`` directly:
-        ``dcp.save(state_dict, checkpoint_id=dir)`` and ``dcp.load(state_dict, checkpoint_id=dir)``
-        on a flat ``{path: tensor}`` dict, e.g. built with ``optree.tree_flatten_with_path``.
+        This writes one file from one process. For sharded optimizer state
+        (``fddp.optim.shard_state``) or states too large for one process, use
+        :func:`fddp.save_sharded`: every rank writes its shard, with the same guarantees.
 
     Args:
         path: File to write; its directory must exist.
@@ -543,7 +542,11 @@ def _remove_orphans(path: str) -> None:
 
 
 def _remove_unlocked(
-    directory: str, pattern: str, keep: Callable[[str], bool] | None = None
+    directory: str,
+    pattern: str,
+    keep: Callable[[str], bool] | None = None,
+    *,
+    finished: bool = False,
 ) -> None:
     """Remove the files and directories in ``directory`` named like ``pattern`` whose writer
     is gone (killed by SIGKILL or the OOM killer), unless ``keep(name)``.
@@ -553,12 +556,13 @@ def _remove_unlocked(
     reader may hold a shared one. So an entry whose lock this process can take has no live
     writer or reader in any other process; ``_writing`` rules out the writers of this process
     (``flock`` does too, except on file systems that emulate it with per-process POSIX locks,
-    e.g. NFS). ``keep`` is asked with the lock held, when no writer can publish the entry any
-    more. The one gap, an entry created but not yet locked, is empty: an empty entry younger
-    than ``_FRESH_TEMP_S`` is left for a later save. Where ``flock`` is missing or refused,
-    nothing is removed; symbolic links are never followed into.
+    e.g. NFS). ``keep`` is asked before and again with the lock held, when no writer can
+    publish the entry any more. The one gap, an entry created but not yet locked, is empty: an
+    empty entry younger than ``_FRESH_TEMP_S`` is left for a later save. Where ``flock`` is
+    missing or refused, nothing is removed, unless ``finished`` says that the entries have no
+    writer any more (a replaced checkpoint's data); symbolic links are never followed into.
     """
-    if fcntl is None:
+    if fcntl is None and not finished:
         return
     try:
         names = [n for n in os.listdir(directory) if re.fullmatch(pattern, n)]
@@ -567,7 +571,7 @@ def _remove_unlocked(
     for name in names:
         entry = os.path.join(directory, name)
         with _writing_lock:
-            if entry in _writing:
+            if entry in _writing or (keep is not None and keep(name)):
                 continue
         try:
             is_dir = stat.S_ISDIR(os.lstat(entry).st_mode)
@@ -577,7 +581,14 @@ def _remove_unlocked(
         except OSError:
             continue  # renamed or removed meanwhile, or not ours to open
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if fcntl is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a live writer or reader holds it
+                except OSError:
+                    if not finished:
+                        continue  # no locks here: a live writer cannot be told apart
             info = os.fstat(fd)
             empty = not os.listdir(entry) if is_dir else info.st_size == 0
             if empty and time.time() - info.st_mtime < _FRESH_TEMP_S:
@@ -589,7 +600,7 @@ def _remove_unlocked(
             else:
                 os.remove(entry)
         except OSError:
-            continue  # locked by a live writer, no locks here, or gone meanwhile
+            continue  # gone meanwhile, or not ours to remove
         finally:
             os.close(fd)
 

@@ -213,13 +213,12 @@ def save_sharded(
     try:
         for key, leaf, _ in entries:
             _check_leaf(key, leaf)
-    except TypeError as e:
-        error = e
-    if error is None:
         mesh = _mesh(group, entries) if n > 1 else None
         for key, leaf, piece in entries:
             value = leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
             state_dict[key] = value if piece is None else _part(value, piece, mesh)
+    except Exception as e:  # raised on every rank by _agree
+        error = e
     data, fd = None, None
     if rank == 0 and error is None:
         try:
@@ -244,11 +243,12 @@ def save_sharded(
         files: dict[str, dict[str, Any]] = {}
         for part in _agree(None, writer.files(), group, start, _SAVE):
             files.update(part)
-        published = None
+        published, replaced = None, None
         if rank == 0:
             try:
                 assert fd is not None and {_METADATA, *writer.referenced} <= set(files)
                 os.fsync(fd)  # the data directory's entries, before the manifest names it
+                replaced = _published(path)
                 _publish(path, name, files, n)
             except BaseException as e:
                 published = e
@@ -265,7 +265,7 @@ def save_sharded(
             with _writing_lock:
                 _writing.discard(cast(str, data))
     if rank == 0:
-        _remove_unpublished(path)  # the previous data directory, unless a reader holds it
+        _remove_unpublished(path, replaced)  # the previous one, unless a load holds it
         for legacy in os.listdir(path):
             if re.fullmatch(_LEGACY, legacy):
                 with contextlib.suppress(OSError):
@@ -319,7 +319,7 @@ def load_sharded(
     try:
         source = _Source.open(path)
         source.check(entries)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # raised on every rank by _agree
         error = e
     try:
         _agree(error, None, group, start, _LOAD)
@@ -366,16 +366,26 @@ def _agree(
     """Every rank's ``value``; if a rank had an ``error``, it is raised on every rank (this
     rank's own first, else the lowest rank's)."""
     pairs: list[Any] = [(error, value)]
-    rank = 0
     if group is not None:
-        pairs, rank = [None] * dist.get_world_size(group), dist.get_rank(group)
-        pair = (error, value)
+        pairs = [None] * dist.get_world_size(group)
+        pair = (None if error is None else _portable(error), value)
         _peer_checked(dist.all_gather_object, pairs, pair, group=group, start=start, where=where)
-    failed = [(r, e) for r, (e, _) in enumerate(pairs) if e is not None]
-    if failed:
-        r, e = next(((r, e) for r, e in failed if r == rank), failed[0])
-        raise e if r == rank else _on_rank(e, r)
+    if error is not None:
+        raise error
+    failed = next(((r, e) for r, (e, _) in enumerate(pairs) if e is not None), None)
+    if failed is not None:
+        raise _on_rank(failed[1], failed[0])
     return [v for _, v in pairs]
+
+
+def _portable(error: BaseException) -> BaseException:
+    """``error`` as another rank can unpickle it: a built-in exception or fddp's, else a
+    RuntimeError that names it."""
+    if type(error).__module__ == "builtins" and isinstance(error, Exception):
+        return error
+    if isinstance(error, RankFailureError):
+        return RankFailureError(str(error))
+    return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 def _on_rank(error: BaseException, rank: int) -> BaseException:
@@ -383,10 +393,12 @@ def _on_rank(error: BaseException, rank: int) -> BaseException:
     note = f" (on rank {rank})"
     if isinstance(error, OSError) and error.errno is not None:
         return OSError(error.errno, f"{error.strerror}{note}", error.filename)
-    if type(error) in (ValueError, TypeError, RuntimeError, RankFailureError):
-        first, *rest = str(error).split("\n", 1)
-        return type(error)("\n".join([first + note, *rest]))
-    return error
+    first, *rest = str(error).split("\n", 1)
+    message = "\n".join([first + note, *rest])
+    try:
+        return type(error)(message)
+    except TypeError:  # a constructor of other arguments
+        return RuntimeError(f"{type(error).__name__}: {message}")
 
 
 @contextlib.contextmanager
@@ -476,9 +488,10 @@ def _published(path: str) -> str | None:
     return None if manifest is None else manifest["data"]
 
 
-def _remove_unpublished(path: str) -> None:
+def _remove_unpublished(path: str, replaced: str | None = None) -> None:
     """Remove the data directories in ``path`` that the manifest does not name and no live
-    save or load holds: those of killed saves, and the one the last save replaced."""
+    save or load holds: those of killed saves, and ``replaced``, the one the last save
+    replaced, which has no writer (so it goes where locks are missing too)."""
 
     def keep(name: str) -> bool:
         try:
@@ -488,6 +501,8 @@ def _remove_unpublished(path: str) -> None:
         return manifest is not None and manifest["data"] == name
 
     _remove_unlocked(path, _DATA, keep)
+    if replaced is not None:
+        _remove_unlocked(path, re.escape(replaced), keep, finished=True)
 
 
 # DCP's metadata classes and the torch types they hold: all `.metadata` may name.
@@ -563,7 +578,8 @@ class _Source:
         """The data directory the manifest names, locked: a save that publishes another one
         meanwhile may remove it before this lock is taken, then read the manifest again."""
         gone = None
-        for _ in range(_OPEN_ATTEMPTS):
+        for attempt in range(_OPEN_ATTEMPTS):
+            time.sleep(0.01 * attempt)  # let a save that replaces it finish
             manifest = _read_manifest(path)
             if manifest is None:
                 if not os.path.exists(os.path.join(path, _METADATA)):

@@ -29,6 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import free_port, run_checks, torchrun_env
+from test_checkpoint import Malicious, _FullDisk
 
 import fddp
 import fddp.optim as optim
@@ -37,6 +38,17 @@ ROOT = Path(__file__).resolve().parents[1]
 KILL_SCRIPT = ROOT / "tests" / "_reliability_scripts" / "sharded_kill.py"
 JOB_TIMEOUT_S = 150.0
 MANIFEST = "fddp-sharded.json"
+
+
+@functools.cache
+def _script():
+    """The module sharded_kill.py, for its helpers."""
+    sys.path.insert(0, str(KILL_SCRIPT.parent))
+    try:
+        import sharded_kill
+    finally:
+        sys.path.pop(0)
+    return sharded_kill
 
 
 def assert_trees_equal(got, want) -> None:
@@ -163,29 +175,6 @@ def _like() -> dict:
     return _rank_tree(0)
 
 
-class _FullDisk:
-    """A file that accepts ``room`` bytes, then fails like a full disk."""
-
-    def __init__(self, file, room: int) -> None:
-        self.file, self.room = file, room
-
-    def write(self, data) -> int:
-        size = memoryview(data).nbytes
-        if size > self.room:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        self.room -= size
-        return self.file.write(data)
-
-    def __getattr__(self, name: str):
-        return getattr(self.file, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.file.close()
-
-
 @contextlib.contextmanager
 def _full_disk_in_dcp(ending: str, room: int):
     """DCP's files whose names end with ``ending`` fill the disk after ``room`` bytes."""
@@ -215,7 +204,7 @@ def _full_manifest():
         patch.setattr(
             _checkpoint,
             "open",
-            lambda *a, **k: _FullDisk(open(*a, **k), 10),  # noqa: SIM115 (closed by _FullDisk)
+            lambda *a, **k: _FullDisk(open(*a, **k), 10),  # noqa: SIM115 (closed by its exit)
             raising=False,
         )
         yield
@@ -278,18 +267,6 @@ def _check_bit_flip(tmp: str) -> None:
     assert "SHA-256 checksum mismatch" in first_line(info.value)
 
 
-def _mark(marker: str) -> None:
-    Path(marker).write_text("code from the checkpoint ran")
-
-
-class Malicious:
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (_mark, (self.marker,))
-
-
 def _dcp_save_as_before(path: str, tree) -> None:
     """What save_sharded wrote before the manifest: a plain DCP directory of fddp's keys."""
     import torch.distributed.checkpoint as dcp
@@ -325,7 +302,7 @@ def _check_crafted_pickles(tmp: str) -> None:
     if rank == 0:
         Path(legacy, ".metadata").write_bytes(crafted)
     dist.barrier()
-    refused(legacy, "its .metadata names test_checkpoint_sharded._mark, .*refusing to unpickle")
+    refused(legacy, r"its \.metadata names test_checkpoint\._mark, .*refusing to unpickle")
     leaf = os.path.join(tmp, "crafted-leaf")
     _dcp_save_as_before(leaf, {"w": torch.arange(4.0), "step": Malicious(marker)})
     refused(leaf, r"leaf \['step'\] holds objects other than plain Python values; refusing")
@@ -474,13 +451,8 @@ def test_on_two_gloo_ranks(tmp_path: Path, killed) -> None:
 
 def _kill_like():
     """The tree sharded_kill.py saves, laid out for this process (a world of one)."""
-    sys.path.insert(0, str(KILL_SCRIPT.parent))
-    try:
-        import sharded_kill
-    finally:
-        sys.path.pop(0)
-    params = sharded_kill.params()
-    return {"params": params, "opt": sharded_kill.optimizer().init(params), "step": 0}
+    params = _script().params()
+    return {"params": params, "opt": _script().optimizer().init(params), "step": 0}
 
 
 def _assert_previous_intact(job: KillJob) -> None:
@@ -638,3 +610,28 @@ def test_broken_manifest_is_named(tmp_path: Path) -> None:
     manifest.write_text(json.dumps(body))
     with pytest.raises(ValueError, match="format version 99, this fddp reads up to 1; upgrade"):
         fddp.load_sharded(path, like)
+
+
+def test_without_locks_the_replaced_directory_still_goes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where flock is refused (as on some network file systems), a killed save's directory
+    cannot be told from a live save's and stays, but the directory a save replaced, which has
+    no writer, is removed: the checkpoint does not grow with every save."""
+    import fcntl
+
+    def refused(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", refused)
+    path = tmp_path / "ckpt"
+    fddp.save_sharded(path, {"w": torch.zeros(3)})
+    dead = path / ("shards-" + "d" * 16)
+    dead.mkdir()
+    (dead / "__0_0.distcp").write_bytes(b"partial")
+    for value in (1.0, 2.0):
+        fddp.save_sharded(path, {"w": torch.full((3,), value)})
+        assert sorted(os.listdir(path)) == sorted([MANIFEST, *_data_dirs(path)])
+        assert len(_data_dirs(path)) == 2 and dead.name in _data_dirs(path)
+    got = fddp.load_sharded(path, {"w": torch.zeros(3)})
+    assert_trees_equal(got, {"w": torch.full((3,), 2.0)})

@@ -8,10 +8,10 @@ kills itself with SIGKILL from inside DCP's ``FileSystem.create_stream`` (as the
 would), at a place ``MODE`` fixes:
 
 - ``open``: rank 1, as it opens its shard file, saving to ``DIR/ckpt``;
-- ``write``: rank 0 (the coordinator), after it wrote ``KILL_AFTER_BYTES`` of its shard file,
-  saving to ``DIR/ckpt``;
-- ``new``: a world of one (run it without the torchrun environment): the process, after
-  ``KILL_AFTER_BYTES`` of its shard file, saving its first checkpoint to ``DIR/new``.
+- ``write``: rank 0 (the coordinator), at the write that would take its shard file past
+  ``KILL_AFTER_BYTES``, saving to ``DIR/ckpt``;
+- ``new``: a world of one (run it without the torchrun environment): the process, at that
+  write, saving its first checkpoint to ``DIR/new``.
 
 The surviving rank prints ``fddp-kill: {"type": ..., "rank_failure": ..., "message": ...}``
 for the exception ``save_sharded`` raised (``"type": null`` if it returned) and exits 0.
@@ -24,7 +24,6 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,19 +31,11 @@ import torch
 import fddp
 import fddp.optim as optim
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_checkpoint import _FullDisk
+
 KILL_AFTER_BYTES = 3000
-READY_WAIT_S = 120.0
 VICTIM = {"open": 1, "write": 0}
-
-
-def wait_for_peers(ready_dir: Path) -> None:
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    (ready_dir / f"ready.{rank}").touch()
-    deadline = time.monotonic() + READY_WAIT_S
-    while not all((ready_dir / f"ready.{r}").exists() for r in range(world)):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the other ranks did not start within {READY_WAIT_S:g} s")
-        time.sleep(0.01)
 
 
 def params() -> dict[str, torch.Tensor]:
@@ -55,23 +46,19 @@ def optimizer():
     return optim.shard_state(optim.adam(0.01))
 
 
-class _KillAfter:
-    """A file that SIGKILLs this process once ``room`` bytes have been written to it."""
+def sigkill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
 
-    def __init__(self, file, room: int) -> None:
-        self.file, self.room = file, room
+
+class _KillAfter(_FullDisk):
+    """A file that SIGKILLs this process when a write would pass ``room`` bytes."""
 
     def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        if len(view) >= self.room:
-            self.file.write(view[: self.room])
-            self.file.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
-        self.room -= len(view)
-        return self.file.write(view)
-
-    def __getattr__(self, name: str):
-        return getattr(self.file, name)
+        try:
+            return super().write(data)
+        except OSError:
+            sigkill()
+            raise
 
 
 def kill_in_shard_file(mode: str) -> None:
@@ -83,7 +70,7 @@ def kill_in_shard_file(mode: str) -> None:
     def create_stream(self, path, stream_mode):
         shard = "w" in stream_mode and str(path).endswith(".distcp")
         if shard and mode == "open":
-            os.kill(os.getpid(), signal.SIGKILL)  # before the file is created or truncated
+            sigkill()  # before the file is created or truncated
         with real(self, path, stream_mode) as stream:
             yield _KillAfter(stream, KILL_AFTER_BYTES) if shard else stream
 
@@ -95,8 +82,7 @@ def main(mode: str, directory: Path) -> None:
         kill_in_shard_file(mode)
         fddp.save_sharded(directory / "new", {"params": params(), "step": 0})
         raise AssertionError("save_sharded returned: the kill did not happen")
-    wait_for_peers(directory)
-    fddp.init(timeout=60)
+    fddp.init(timeout=120)  # the ranks' imports may take long on a busy machine
     rank = fddp.rank()
     opt = optimizer()
 
