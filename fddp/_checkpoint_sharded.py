@@ -23,7 +23,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp import _pending
+from fddp import _pending, _runtime
 from fddp._checkpoint import (
     _O_CLOEXEC,
     _O_DIRECTORY,
@@ -217,7 +217,7 @@ def save_sharded(
         for key, leaf, piece in entries:
             value = leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
             state_dict[key] = value if piece is None else _part(value, piece, mesh)
-    except Exception as e:  # raised on every rank by _agree
+    except Exception as e:  # raised on every rank by _gather_or_raise
         error = e
     data, fd = None, None
     if rank == 0 and error is None:
@@ -228,9 +228,10 @@ def save_sharded(
         except OSError as e:
             error = _write_error(e, path)
     try:
-        name = _agree(error, data and os.path.basename(data), group, start, _SAVE)[0]
+        # Every rank's leaves are fine and rank 0 made the directory: all write into it.
+        name = _gather_or_raise(error, data and os.path.basename(data), group, start, _SAVE)[0]
         writer = _dcp().Writer(os.path.join(path, name))
-        with _one_process_quietly(n), _dcp_errors(path, rank, writing=True):
+        with _one_process_quietly(n), _dcp_errors(path, rank, start, writing=True):
             _peer_checked(
                 _dcp().api.save,
                 state_dict,
@@ -240,8 +241,10 @@ def save_sharded(
                 start=start,
                 where=_SAVE,
             )
+        # Every rank wrote its files (DCP raises on every rank if one failed): rank 0 lists
+        # them all in the manifest, publishes it, and tells the others whether it could.
         files: dict[str, dict[str, Any]] = {}
-        for part in _agree(None, writer.files(), group, start, _SAVE):
+        for part in _gather_or_raise(None, writer.files(), group, start, _SAVE):
             files.update(part)
         published, replaced = None, None
         if rank == 0:
@@ -252,7 +255,7 @@ def save_sharded(
                 _publish(path, name, files, n)
             except BaseException as e:
                 published = e
-        _agree(published, None, group, start, _SAVE)
+        _gather_or_raise(published, None, group, start, _SAVE)
     except BaseException as e:
         if data is not None and _published(path) != os.path.basename(data):
             shutil.rmtree(data, ignore_errors=True)
@@ -319,10 +322,10 @@ def load_sharded(
     try:
         source = _Source.open(path)
         source.check(entries)
-    except Exception as e:  # raised on every rank by _agree
+    except Exception as e:  # raised on every rank by _gather_or_raise
         error = e
     try:
-        _agree(error, None, group, start, _LOAD)
+        _gather_or_raise(error, None, group, start, _LOAD)
         assert source is not None
         mesh = _mesh(group, entries) if n > 1 else None
         state_dict: dict[str, Any] = {}
@@ -334,7 +337,7 @@ def load_sharded(
             buffers[key] = torch.zeros_like(leaf)  # the padding stays zero
             state_dict[key] = _part(buffers[key], piece, mesh)
         planner = _dcp().Planner(source)
-        with _one_process_quietly(n), _dcp_errors(path, rank, writing=False):
+        with _one_process_quietly(n), _dcp_errors(path, rank, start, writing=False):
             _peer_checked(
                 _dcp().api.load,
                 state_dict,
@@ -356,7 +359,7 @@ def load_sharded(
     return _rebuild(like, iter(values))
 
 
-def _agree(
+def _gather_or_raise(
     error: BaseException | None,
     value: Any,
     group: dist.ProcessGroup | None,
@@ -402,7 +405,7 @@ def _on_rank(error: BaseException, rank: int) -> BaseException:
 
 
 @contextlib.contextmanager
-def _dcp_errors(path: str, rank: int, *, writing: bool) -> Iterator[None]:
+def _dcp_errors(path: str, rank: int, start: float, *, writing: bool) -> Iterator[None]:
     """Raise the error of the lowest failing rank that ``torch.distributed.checkpoint`` (DCP)
     reports as a ``CheckpointException`` (a ``BaseException``, of multi-line tracebacks) as
     fddp's: an ``OSError`` keeps its errno, fddp's own errors are raised as they are."""
@@ -418,10 +421,13 @@ def _dcp_errors(path: str, rank: int, *, writing: bool) -> Iterator[None]:
                 raise _write_error(error, path, f" on rank {failed}") from None
             reason = f"cannot read checkpoint {path}: {error.strerror}{note}"
             raise OSError(error.errno, reason, error.filename or path) from None
+        if isinstance(error, RuntimeError) and _runtime.is_peer_failure(error):
+            where = _SAVE if writing else _LOAD
+            raise _runtime.peer_failure(error, where, time.monotonic() - start) from error
         if isinstance(error, (ValueError, TypeError, RankFailureError)):
             raise (error if failed == rank else _on_rank(error, failed)) from None
         what = (
-            f"cannot write checkpoint {path}" + "; the previous checkpoint, if any, is untouched"
+            f"cannot write checkpoint {path}; the previous checkpoint, if any, is untouched"
             if writing
             else f"checkpoint {path} is corrupted or truncated"
         )
