@@ -20,7 +20,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp import _pending, _runtime
+from fddp import _machine, _pending, _runtime
 from fddp._errors import RankFailureError, SaveArrivalError
 from fddp._types import TensorTree
 from fddp._zero import ShardedState
@@ -74,6 +74,12 @@ def save(path: PathLike, tree: TensorTree, *, rank0_only: bool = True) -> None:
     several threads or processes at once each complete or raise, and ``path`` always holds one
     complete checkpoint, the last one renamed.
 
+    The file also records the link and compute figures that ``data_parallel`` chose its default
+    bucket caps from (measured once per process group, see ``fddp.data_parallel``):
+    :func:`load` in a process that has not measured them yet takes them, so a resumed run
+    builds the same buckets as the run it resumes and, on 3 or more ranks, sums every
+    gradient in the same order (bitwise the same run).
+
     Under ``torch.distributed`` with more than one rank and ``rank0_only=True`` (replicated
     state), every rank calls ``save``: only rank 0 writes, and every rank returns only once
     the file is in place, so any rank may load it right after; an error on rank 0 is raised
@@ -126,6 +132,7 @@ def save(path: PathLike, tree: TensorTree, *, rank0_only: bool = True) -> None:
         "structure": str(treespec),
         "paths": paths,
         "leaves": [leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves],
+        "machine": _machine.recorded(),  # a resumed run's bucket caps are this run's
     }
     distributed = rank0_only and dist.is_available() and dist.is_initialized()
     if not distributed or dist.get_world_size() == 1:
@@ -282,6 +289,7 @@ def load(path: PathLike, like: TensorTree | None = None) -> TensorTree:
     like_paths, like_leaves, treespec = _flatten(like)
     devices = {leaf.device for leaf in like_leaves if isinstance(leaf, torch.Tensor)}
     payload = _read(path, map_location=devices.pop() if len(devices) == 1 else "cpu")
+    _machine.restore(payload.get("machine"))
     saved = dict(zip(payload["paths"], payload["leaves"]))
     _check_structure(
         path,

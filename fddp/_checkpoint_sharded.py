@@ -23,7 +23,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp import _pending, _runtime
+from fddp import _machine, _pending, _runtime
 from fddp._checkpoint import (
     _O_CLOEXEC,
     _O_DIRECTORY,
@@ -179,6 +179,9 @@ def save_sharded(
     older fddp (a plain ``torch.distributed.checkpoint`` directory) at ``path`` is replaced
     by the first save and its files removed.
 
+    Like :func:`fddp.save`, it records the link and compute figures the default bucket caps
+    were chosen from, which :func:`load_sharded` hands to a resumed run.
+
     Args:
         path: the checkpoint directory (created if missing; on a file system every rank sees).
         tree: the pytree to save; leaves are tensors or bool/int/float/str values.
@@ -252,7 +255,7 @@ def save_sharded(
                 assert fd is not None and {_METADATA, *writer.referenced} <= set(files)
                 os.fsync(fd)  # the data directory's entries, before the manifest names it
                 replaced = _published(path)
-                _publish(path, name, files, n)
+                _publish(path, name, files, n, _machine.recorded(group))
             except BaseException as e:
                 published = e
         _gather_or_raise(published, None, group, start, _SAVE)
@@ -351,6 +354,7 @@ def load_sharded(
     finally:
         if source is not None:
             source.close()
+    _machine.restore(source.machine, group)
     values = [buffers.get(key, planner.values.get(key, state_dict[key])) for key, _, _ in entries]
     problems = []
     for (key, leaf, _), value in zip(entries, values):
@@ -436,10 +440,14 @@ def _dcp_errors(path: str, rank: int, start: float, *, writing: bool) -> Iterato
         raise (RuntimeError if writing else ValueError)(f"{what} ({cause}{note})") from None
 
 
-def _publish(path: str, name: str, files: dict[str, dict[str, Any]], world: int) -> None:
-    """Replace the manifest of ``path`` with one naming data directory ``name``."""
+def _publish(
+    path: str, name: str, files: dict[str, dict[str, Any]], world: int, machine: list
+) -> None:
+    """Replace the manifest of ``path`` with one naming data directory ``name``; ``machine``
+    is the link and compute figures this run chose its bucket caps from, for a resumed run."""
     body = {"format": _FORMAT, "version": _VERSION, "data": name, "world_size": world}
     body["files"] = dict(sorted(files.items()))
+    body["machine"] = machine
     text = json.dumps({**body, "sha256": _digest(body)}, indent=1)
 
     def write(f: BinaryIO) -> None:
@@ -557,6 +565,7 @@ class _Source:
     data: str
     files: dict[str, dict[str, Any]] | None
     fd: int | None = None
+    machine: Any = None  # the figures the saved run chose its bucket caps from
     metadata: Any = None
     verified: set[str] = dataclasses.field(default_factory=set)
 
@@ -611,7 +620,7 @@ class _Source:
                 continue
             with contextlib.suppress(FileNotFoundError):
                 if _lock_shared(fd) and os.path.samestat(os.fstat(fd), os.stat(data)):
-                    return cls(path, data, manifest["files"], fd)
+                    return cls(path, data, manifest["files"], fd, manifest.get("machine"))
             os.close(fd)
         raise ValueError(
             f"checkpoint {path} was replaced {_OPEN_ATTEMPTS} times while this rank opened "

@@ -112,3 +112,37 @@ def measured(group: dist.ProcessGroup | None, device: torch.device) -> Machine:
     if device not in per_device:
         per_device[device] = measure(group, device)
     return per_device[device]
+
+
+def recorded(group: dist.ProcessGroup | None = None) -> list[list[float | str]]:
+    """The figures measured for ``group`` (default: the world) as plain values, one row
+    ``[device, world size, *figures]`` per device, for a checkpoint to carry; [] if none."""
+    key = group if group is not None else dist.group.WORLD
+    if not dist.is_initialized() or key is None or key not in _measured:
+        return []
+    world = dist.get_world_size(key)
+    return [
+        [str(device), world, *dataclasses.astuple(machine)]
+        for device, machine in _measured[key].items()
+    ]
+
+
+def restore(records: object, group: dist.ProcessGroup | None = None) -> None:
+    """Take figures that :func:`recorded` wrote for a group of this size where none are
+    measured yet: a resumed run chooses its bucket caps as the run it resumes did, so on 3 or
+    more ranks it also sums every gradient in the same order. Rows that do not fit (another
+    world size, a malformed row) are skipped."""
+    key = group if group is not None else dist.group.WORLD
+    if not dist.is_initialized() or key is None or not isinstance(records, list):
+        return
+    world = dist.get_world_size(key)
+    fields = len(dataclasses.fields(Machine))
+    per_device = _measured.setdefault(key, {})
+    for row in records:
+        if not (isinstance(row, list) and len(row) == 2 + fields and row[1] == world):
+            continue
+        try:
+            device, figures = torch.device(row[0]), [float(x) for x in row[2:]]
+        except (RuntimeError, TypeError, ValueError):
+            continue
+        per_device.setdefault(device, Machine(*figures))
