@@ -337,7 +337,10 @@ def data_parallel(
             gradient bytes (at least ``first_bucket_cap_mb`` and five link latencies' worth of
             transfer, at most DDP's 25 MiB). ``schedule()`` prints the choice and the
             figures. On more than two ranks the cap can change the order of a gradient's sums
-            (last-bit differences), so set it for bitwise reproducible runs.
+            (last-bit differences), and the figures differ from run to run: ``fddp.save`` and
+            ``fddp.save_sharded`` record them, and a run that loads such a checkpoint before
+            its first compile chooses as the saved run did (a resumed run is bitwise the
+            uninterrupted one); set the cap for runs that must agree without a checkpoint.
         first_bucket_cap_mb: cap of the first bucket, small so communication starts early.
         compile: False (or ``"fx"``) runs the scheduled FX graph; True (or ``"inductor"``)
             compiles it with Inductor.
