@@ -1,106 +1,87 @@
-"""Scripts that call fddp.init() exit cleanly on every rank, every time, with their own status."""
+"""Scripts that call fddp.init() exit cleanly on every rank, every time, with their own status.
+
+One launcher process (tests/_exit_script.py --forked-launches) imports torch once and forks the
+two ranks of every launch from it: RUNS launches that end normally, and one launch per other
+ending (an exception after training, ``sys.exit(3)``, an exception before the last collective).
+Each forked rank runs the script's main() and exits through the interpreter's normal shutdown.
+"""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from _dist import free_port, torchrun_env
+from _dist import script_env
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).with_name("_exit_script.py")
 RUNS = 20
 PARALLEL_LAUNCHES = 2
 LAUNCH_TIMEOUT_S = 120.0
+ENDINGS = ("raise", "exit3", "raise_early")
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="forks ranks and counts threads in /proc"
 )
 
 
-def _env(**extra: str) -> dict[str, str]:
-    path = os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p)
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
-
-
-def _launch(end: str) -> list[tuple[int | None, str, str]]:
-    """Run the exit script as 2 fresh processes; (status, stdout, stderr) per rank."""
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(SCRIPT)],
-            env=_env(**torchrun_env(rank, 2, port), FDDP_EXIT_SCRIPT_END=end),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    results = []
-    try:
-        for proc in procs:
-            try:
-                out, err = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, err = proc.communicate()
-                err += f"\n[killed after {LAUNCH_TIMEOUT_S:g} s]"
-            results.append((proc.returncode, out, err))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return results
-
-
-def _describe(rank: int, result: tuple[int | None, str, str]) -> str:
-    code, out, err = result
-    return f"rank {rank}: exit status {code}\nstdout:\n{out[-2000:]}\nstderr:\n{err[-3000:]}"
-
-
-def test_training_script_exits_zero_every_time():
-    # Each rank is forked from a process that has imported torch and fddp (not Dynamo), runs
-    # the script's main() and exits through the interpreter's normal shutdown.
-    args = ["--forked-launches", str(RUNS), str(PARALLEL_LAUNCHES), str(LAUNCH_TIMEOUT_S)]
+@pytest.fixture(scope="module")
+def launches() -> dict[str, list[list[dict]]]:
+    """``launches[end][i][rank]``: the status and output of each rank of each launch."""
+    ends = ["plain"] * RUNS + list(ENDINGS)
+    args = ["--forked-launches", str(PARALLEL_LAUNCHES), str(LAUNCH_TIMEOUT_S), *ends]
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), *args],
-        env=_env(),
+        env=script_env(),
         capture_output=True,
         text=True,
-        timeout=RUNS * LAUNCH_TIMEOUT_S,
+        timeout=len(ends) * LAUNCH_TIMEOUT_S,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = json.loads(proc.stdout.splitlines()[-1])
+    assert len(ranks) == 2 * len(ends)
+    by_launch: dict[int, list[dict]] = {}
+    for r in sorted(ranks, key=lambda r: (r["launch"], r["rank"])):
+        by_launch.setdefault(r["launch"], []).append(r)
+    out: dict[str, list[list[dict]]] = {}
+    for launch in by_launch.values():
+        out.setdefault(launch[0]["end"], []).append(launch)
+    return out
+
+
+def _describe(r: dict) -> str:
+    return (
+        f"launch {r['launch']} ({r['end']}) rank {r['rank']}: exit status {r['status']}\n"
+        f"stdout:\n{r['stdout'][-2000:]}\nstderr:\n{r['stderr'][-3000:]}"
+    )
+
+
+def test_training_script_exits_zero_every_time(launches):
+    ranks = [r for launch in launches["plain"] for r in launch]
     assert len(ranks) == 2 * RUNS
     failed = [r for r in ranks if r["status"] != 0]
     assert not failed, f"{len(failed)} of {2 * RUNS} rank exits failed:\n" + "\n".join(
-        f"launch {r['launch']} rank {r['rank']}: status {r['status']}\n{r['output']}"
-        for r in failed[:3]
+        _describe(r) for r in failed[:3]
     )
     for r in ranks:
-        assert f"rank {r['rank']} trained" in r["output"], r["output"]
+        assert f"rank {r['rank']} trained" in r["stdout"], _describe(r)
         # The root cause: gloo worker threads outliving the exit handler (see _shutdown.py).
-        assert "gloo workers after exit handlers: 0" in r["output"], r["output"]
+        assert "gloo workers after exit handlers: 0" in r["stdout"], _describe(r)
 
 
-def test_exit_status_is_preserved():
-    with ThreadPoolExecutor(3) as pool:
-        raised, exited, early = pool.map(_launch, ["raise", "exit3", "raise_early"])
-    for rank, (code, _, err) in enumerate(raised):
-        assert code == 1, _describe(rank, raised[rank])
-        assert "Traceback (most recent call last)" in err
-        assert f"RuntimeError: rank {rank} fails after training" in err
-    for rank, (code, out, _) in enumerate(exited):
-        assert code == 3, _describe(rank, exited[rank])
-        assert f"rank {rank} trained" in out
+def test_exit_status_is_preserved(launches):
+    ((raised,), (exited,), (early,)) = (launches[end] for end in ENDINGS)
+    for rank, r in enumerate(raised):
+        assert r["status"] == 1, _describe(r)
+        assert "Traceback (most recent call last)" in r["stderr"]
+        assert f"RuntimeError: rank {rank} fails after training" in r["stderr"]
+    for rank, r in enumerate(exited):
+        assert r["status"] == 3, _describe(r)
+        assert f"rank {rank} trained" in r["stdout"]
     # Rank 0 dies before a collective that rank 1 waits in: both must exit non-zero, not hang.
-    assert early[0][0] == 1, _describe(0, early[0])
-    assert "RuntimeError: rank 0 fails before the last collective" in early[0][2]
-    assert early[1][0] not in (0, None), _describe(1, early[1])
-    assert "killed after" not in early[1][2], _describe(1, early[1])
+    assert early[0]["status"] == 1, _describe(early[0])
+    assert "RuntimeError: rank 0 fails before the last collective" in early[0]["stderr"]
+    assert early[1]["status"] not in (0, None), _describe(early[1])
+    assert "killed after" not in early[1]["stderr"], _describe(early[1])
