@@ -1,6 +1,12 @@
 """Overlap across steps (data_parallel(..., overlap_steps=...)): the last buckets' waits and
 updates run in the next call. Every deferred run is checked bitwise against the same step
-without it, on 2 gloo ranks (one spawn for all multi-rank checks)."""
+without it, on 2 gloo ranks (one spawn for all the named multi-rank checks).
+
+Public API only, but for three things nothing public shows, which ``_across_steps`` and the two
+last tests reach into fddp for: how many merged programs (the previous call's tail fused into
+this call's head) the step built, where the waits sit in them, and a deferred tail that fails
+(no public way to make a launched collective's wait fail on one rank only).
+"""
 
 from __future__ import annotations
 
@@ -9,16 +15,18 @@ import io
 import os
 import tempfile
 
+import optree
 import pytest
 import torch
 import torch.nn.functional as F
+from _compare import assert_trees_equal
 from _dist import run_checks
 from _models import mlp, next_token_loss, regression_batch, tiny_decoder, token_batch
 
 import fddp
 import fddp.optim as optim
-from fddp._pending import Deferred, PendingTensor
-from fddp._schedule._graph import is_collective, is_wait
+
+WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 STEPS = 30
 SIZES = (6, 16, 16, 16, 3)
@@ -55,19 +63,30 @@ def _train(pstep, params, opt_state, steps=STEPS, touch=None, batch=_batch):
     return fddp.block_until_ready((params, opt_state, losses))
 
 
-def _same(a, b) -> bool:
-    leaves_a, leaves_b = (
-        [x for x in torch.utils._pytree.tree_leaves(t) if isinstance(x, torch.Tensor)]
-        for t in (a, b)
-    )
-    return len(leaves_a) == len(leaves_b) and all(
-        type(x) is torch.Tensor and torch.equal(x, y) for x, y in zip(leaves_a, leaves_b)
-    )
+def _pending(x) -> bool:
+    """A pending output: a tensor whose deferred updates have not run (not a plain Tensor)."""
+    return isinstance(x, torch.Tensor) and type(x) is not torch.Tensor
 
 
-def _runner(pstep):
-    (entry,) = pstep._cache.values()
-    return entry.program.across_steps
+def _finished(tree) -> bool:
+    return not any(map(_pending, optree.tree_leaves(tree)))
+
+
+def _is_wait(node) -> bool:
+    return node.op == "call_function" and node.target is WAIT
+
+
+def _is_collective(node) -> bool:
+    """A functional collective's launch (its wait excluded)."""
+    namespace = getattr(node.target, "namespace", None)
+    return node.op == "call_function" and namespace == "_c10d_functional" and not _is_wait(node)
+
+
+def _across_steps(pstep):
+    """No public surface: the runner of an overlap_steps step, for what only it shows (how many
+    merged programs it built, and their graphs)."""
+    (compiled,) = pstep._programs._programs.values()
+    return compiled.program.across_steps
 
 
 def check_bitwise_with_and_without(donate: bool, touch: bool) -> dict:
@@ -96,11 +115,13 @@ def check_bitwise_with_and_without(donate: bool, touch: bool) -> dict:
     start = fresh()
     kept = {k: v.clone() for k, v in start[0].items()}
     got = _train(deferred, *start, touch=look if touch else None)
-    out = _runner(deferred)
     return {
-        "same": _same(reference, got),
-        "inputs_kept": donate or _same(kept, start[0]),
-        "merged_builds": out.merged_builds,
+        "reference": reference,
+        "got": got,
+        "finished": _finished(got),
+        "kept": kept,
+        "start": None if donate else start[0],
+        "merged_builds": _across_steps(deferred).merged_builds,
         "pending_seen": seen[:1],
         "schedule": str(deferred.schedule(got[0], got[1], _batch(0))),
     }
@@ -115,7 +136,7 @@ def check_outputs_are_pending_until_touched() -> dict:
     plain = fddp.data_parallel(step, bucket_cap_mb=SMALL_BUCKETS, first_bucket_cap_mb=SMALL_BUCKETS)
     state = opt.init(params)
     p1, _, loss1 = pstep(params, state, _batch(0))
-    pending = [type(x) is PendingTensor for x in p1.values()]
+    pending = [_pending(x) for x in p1.values()]
     ref_p, _, ref_loss = plain(params, state, _batch(0))
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "ckpt.pt")
@@ -127,10 +148,11 @@ def check_outputs_are_pending_until_touched() -> dict:
     pickled = torch.load(buffer)
     return {
         "pending": pending,
-        "loaded_equal": _same(loaded, ref_p),
-        "pickled_equal": _same(pickled, ref_p),
+        "loaded": loaded,
+        "pickled": pickled,
+        "reference": ref_p,
         "pickled_types": {type(x).__name__ for x in pickled.values()},
-        "values_equal": all(torch.equal(p1[k] + 0, ref_p[k]) for k in ref_p),
+        "values": {k: p1[k] + 0 for k in ref_p},
         "loss_equal": float(loss1) == float(ref_loss),
     }
 
@@ -147,7 +169,7 @@ def check_donated_output_refuses_to_be_read() -> str:
     )
     p = {k: v.clone() for k, v in params.items()}
     p1, s1, _ = pstep(p, opt.init(p), _batch(0))
-    pending = next(x for x in p1.values() if type(x) is PendingTensor)
+    pending = next(x for x in p1.values() if _pending(x))
     pstep(p1, s1, _batch(1))  # its storage now holds this call's result
     try:
         pending.sum()
@@ -164,15 +186,15 @@ def check_merged_program_updates_each_layer_before_its_forward() -> dict:
         step, bucket_cap_mb=one_leaf, first_bucket_cap_mb=one_leaf, overlap_steps=True
     )
     _train(pstep, params, opt.init(params), steps=3)
-    runner = _runner(pstep)
+    runner = _across_steps(pstep)
     first = runner._first.head_graph.graph
-    launches = [n for n in first.nodes if is_collective(n)]
-    waited = [any(is_wait(u) for u in n.users) for n in launches]
+    launches = [n for n in first.nodes if _is_collective(n)]
+    waited = [any(_is_wait(u) for u in n.users) for n in launches]
     (merged,) = runner._merged.values()
     nodes = list(merged.head_graph.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     matmuls = [n for n in nodes if n.target is torch.ops.aten.addmm.default]
-    placeholder_waits = [n for n in nodes if is_wait(n) and n.args[0].op == "placeholder"]
+    placeholder_waits = [n for n in nodes if _is_wait(n) and n.args[0].op == "placeholder"]
     return {
         # the deferred launches come last, in reverse order of their buckets
         "waited": waited,
@@ -211,11 +233,11 @@ def check_sharded_state_and_a_decoder() -> dict:
             p = {k: v.clone() for k, v in params.items()}
             pstep = fddp.data_parallel(step, overlap_steps=overlap, **kw)
             runs.append(_train(pstep, p, opt.init(p), steps=12, batch=batch))
-        results[name] = _same(*runs)
+        results[name] = {"plain": runs[0], "overlap": runs[1], "finished": _finished(runs[1])}
     return results
 
 
-def check_pending_outputs_feed_another_step() -> bool:
+def check_pending_outputs_feed_another_step() -> dict:
     opt = optim.sgd(0.1)
     step, params = _mlp_step(opt)
     train = fddp.data_parallel(
@@ -223,32 +245,69 @@ def check_pending_outputs_feed_another_step() -> bool:
     )
     evaluate = fddp.data_parallel(lambda p, b: fddp.pmean(p["0.weight"].sum() * b["x"].sum()))
     p, _, _ = train(params, opt.init(params), _batch(0))
-    pending = type(p["0.weight"]) is PendingTensor
+    pending = _pending(p["0.weight"])
     value = evaluate(p, _batch(1))
     expected = evaluate(fddp.block_until_ready(p), _batch(1))
-    return pending and torch.equal(value, expected)
+    return {"pending": pending, "value": value, "expected": expected}
+
+
+def check_a_pending_output_behaves_as_its_value() -> dict:
+    """A real pending output: its metadata without completing it, then the finished value."""
+    opt = optim.sgd(0.1)
+    step, params = _mlp_step(opt)
+    kw = dict(bucket_cap_mb=SMALL_BUCKETS, first_bucket_cap_mb=SMALL_BUCKETS)
+    plain = fddp.data_parallel(step, **kw)
+    deferred = fddp.data_parallel(step, overlap_steps=True, **kw)
+    state = opt.init(params)
+    expected = plain(params, state, _batch(0))[0]
+    got = deferred(params, state, _batch(0))[0]
+    name = next(k for k, x in got.items() if _pending(x))
+    a = got[name]
+    meta = (tuple(a.shape), a.dtype, _pending(a))  # shape and dtype leave it pending
+    target = torch.zeros_like(expected[name])
+    target.copy_(a)
+    out = {
+        "meta": meta,
+        "want_meta": (tuple(expected[name].shape), expected[name].dtype, True),
+        "plus_one": a + 1,
+        "want_plus_one": expected[name] + 1,
+        "tolist": a.tolist() == expected[name].tolist(),
+        "numpy": bool((a.numpy() == expected[name].numpy()).all()),
+        "repr": repr(expected[name]).removeprefix("tensor(") in repr(a),
+        "copied": target,
+        "want": expected[name],
+    }
+    a.add_(1)  # in place on the finished value
+    out["added"], out["want_added"] = a + 0, expected[name] + 1
+    out["finished_type"] = fddp.block_until_ready({"a": a})["a"].__class__.__name__
+    return out
+
+
+CHECKS = {
+    "plain": functools.partial(check_bitwise_with_and_without, False, False),
+    "donated": functools.partial(check_bitwise_with_and_without, True, False),
+    "touched": functools.partial(check_bitwise_with_and_without, True, True),
+    "pending": check_outputs_are_pending_until_touched,
+    "donated_read": check_donated_output_refuses_to_be_read,
+    "merged": check_merged_program_updates_each_layer_before_its_forward,
+    "models": check_sharded_state_and_a_decoder,
+    "feed": check_pending_outputs_feed_another_step,
+    "value": check_a_pending_output_behaves_as_its_value,
+}
 
 
 @pytest.fixture(scope="module")
 def runs():
-    checks = {
-        "plain": functools.partial(check_bitwise_with_and_without, False, False),
-        "donated": functools.partial(check_bitwise_with_and_without, True, False),
-        "touched": functools.partial(check_bitwise_with_and_without, True, True),
-        "pending": check_outputs_are_pending_until_touched,
-        "donated_read": check_donated_output_refuses_to_be_read,
-        "merged": check_merged_program_updates_each_layer_before_its_forward,
-        "models": check_sharded_state_and_a_decoder,
-        "feed": check_pending_outputs_feed_another_step,
-    }
-    results = run_checks(list(checks.values()), 2, timeout=240)
-    return dict(zip(checks, results))
+    return run_checks(CHECKS, 2, timeout=240)
 
 
 @pytest.mark.parametrize("case", ["plain", "donated", "touched"])
 def test_params_and_losses_are_bitwise_those_of_the_plain_step(runs, case):
-    for result in runs[case]:
-        assert result["same"] and result["inputs_kept"]  # without donation, never written
+    for rank, result in enumerate(runs[case]):
+        assert result["finished"]  # block_until_ready returned plain tensors
+        assert_trees_equal(result["got"], result["reference"], f"{case}, rank {rank}")
+        if result["start"] is not None:  # without donation, never written
+            assert_trees_equal(result["start"], result["kept"], f"{case} inputs, rank {rank}")
         assert result["merged_builds"] == 1  # one merged program serves every later call
         assert "launched last-first" in result["schedule"]
     if case == "touched":
@@ -258,7 +317,9 @@ def test_params_and_losses_are_bitwise_those_of_the_plain_step(runs, case):
 def test_outputs_are_pending_and_complete_when_touched_saved_or_pickled(runs):
     for result in runs["pending"]:
         assert any(result["pending"]) and not all(result["pending"])  # the last buckets only
-        assert result["loaded_equal"] and result["pickled_equal"] and result["values_equal"]
+        assert_trees_equal(result["loaded"], result["reference"], "fddp.save, fddp.load")
+        assert_trees_equal(result["pickled"], result["reference"], "torch.save, torch.load")
+        assert_trees_equal(result["values"], result["reference"], "touched")
         assert result["pickled_types"] == {"Tensor"}
         assert result["loss_equal"]
 
@@ -278,13 +339,27 @@ def test_merged_program_launches_last_first_and_waits_inside_the_forward(runs):
         assert result["first_wait_before_first_layer"] and result["a_wait_after_the_first_layer"]
 
 
-def test_sharded_state_and_a_decoder_are_bitwise_too(runs):
-    for result in runs["models"]:
-        assert result == {"decoder_adamw": True, "decoder_shard_state": True}
+@pytest.mark.parametrize("name", ["decoder_adamw", "decoder_shard_state"])
+def test_sharded_state_and_a_decoder_are_bitwise_too(runs, name):
+    for rank, result in enumerate(runs["models"]):
+        assert result[name]["finished"]
+        assert_trees_equal(result[name]["overlap"], result[name]["plain"], f"{name}, rank {rank}")
 
 
 def test_pending_outputs_passed_to_another_step_are_completed_first(runs):
-    assert all(runs["feed"])
+    for result in runs["feed"]:
+        assert result["pending"]
+        assert_trees_equal(result["value"], result["expected"])
+
+
+def test_a_pending_output_behaves_as_its_value(runs):
+    for result in runs["value"]:
+        assert result["meta"] == result["want_meta"]
+        assert_trees_equal(result["plus_one"], result["want_plus_one"], "a + 1")
+        assert result["tolist"] and result["numpy"] and result["repr"]
+        assert_trees_equal(result["copied"], result["want"], "copy_ into a tensor")
+        assert_trees_equal(result["added"], result["want_added"], "add_ in place")
+        assert result["finished_type"] == "Tensor"
 
 
 def test_overlap_steps_needs_the_fx_runner():
@@ -293,6 +368,9 @@ def test_overlap_steps_needs_the_fx_runner():
 
 
 def test_pending_tensor_behaves_as_its_value_once_completed():
+    """No public surface for a deferred tail made by hand, nor for how often it runs."""
+    from fddp._pending import Deferred, PendingTensor
+
     calls = []
 
     def tail(carried):
@@ -315,6 +393,9 @@ def test_pending_tensor_behaves_as_its_value_once_completed():
 
 
 def test_a_tail_that_fails_leaves_outputs_that_raise_instead_of_half_updated_values():
+    """No public surface: nothing public makes one rank's wait of a launched collective fail."""
+    from fddp._pending import Deferred, PendingTensor
+
     def tail(carried):
         carried[0].add_(1)  # part of the update lands, then the wait fails
         raise RuntimeError("the collective failed")

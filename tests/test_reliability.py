@@ -18,151 +18,33 @@ killed, and the 2-rank spawn has one too: no test can hang.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import pickle
 import re
 import signal
-import subprocess
-import sys
 import threading
-import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 import optree
 import pytest
 import torch
-from _dist import free_port, run_ranks, torchrun_env
+from _compare import assert_ranks_equal, assert_trees_equal, detached
+from _dist import ROOT, Job, Raised, free_ports, run_checks, script_env, torchrun
 
 import fddp
 import fddp.optim as optim
 
-ROOT = Path(__file__).resolve().parent.parent
 STALL_SCRIPT = Path(__file__).resolve().parent / "_reliability_scripts" / "stall.py"
 ELASTIC = ROOT / "examples" / "elastic.py"
 STALL_TIMEOUT_S = 10.0
 JOB_TIMEOUT_S = 150.0
 SPAWN_TIMEOUT_S = 150.0
-OUTPUT_TAIL_CHARS = 5000
 # examples/elastic.py: 24 steps cross an epoch (16 steps of 16 samples); checkpoints every 4.
 STEPS, EVERY, STOP_AT, RESUMED_FROM = 24, 4, 14, 12
 ELASTIC_ARGS = ["--steps", str(STEPS), "--every", str(EVERY), "--timeout", "60"]
 
 
-# --- subprocess jobs ------------------------------------------------------------------------
-
-
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports, taken together before any job binds one."""
-    ports: list[int] = []
-    while len(ports) < n:
-        port = free_port()
-        if port not in ports:
-            ports.append(port)
-    return ports
-
-
-def _base_env() -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-
-
-def _process_tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (torchrun starts its workers in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rpartition(")")[2].split()[1])
-                children.setdefault(ppid, []).append(int(entry))
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo.extend(children.get(p, []))
-    return tree
-
-
-class Job:
-    """Processes started together (the ranks or torchrun nodes of one job), with one deadline.
-
-    Each process writes stdout and stderr to its own file. :meth:`wait` returns once the chosen
-    processes have exited, or at the deadline; :meth:`stop` kills every process tree left.
-    """
-
-    def __init__(self, name: str, commands: list[tuple[list[str], dict[str, str]]], tmp: Path):
-        self.name = name
-        self.deadline = time.monotonic() + JOB_TIMEOUT_S
-        self.logs = [tmp / f"{name}.{i}.log" for i in range(len(commands))]
-        self.procs: list[subprocess.Popen] = []
-        self.ended_at: list[float | None] = [None] * len(commands)
-        for (argv, env), log in zip(commands, self.logs):
-            with open(log, "wb") as out:
-                self.procs.append(
-                    subprocess.Popen(
-                        argv,
-                        cwd=ROOT,
-                        env=env,
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                        start_new_session=True,
-                    )
-                )
-
-    def wait(self, which: list[int] | None = None) -> Job:
-        which = list(range(len(self.procs))) if which is None else which
-        while time.monotonic() < self.deadline:
-            for i in which:
-                if self.ended_at[i] is None and self.procs[i].poll() is not None:
-                    self.ended_at[i] = time.time()
-            if all(self.ended_at[i] is not None for i in which):
-                break
-            time.sleep(0.05)
-        return self
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                for pid in _process_tree(proc.pid):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5)
-
-    def returncodes(self) -> list[int | None]:
-        return [p.returncode if t is not None else None for p, t in zip(self.procs, self.ended_at)]
-
-    def output(self, i: int) -> str:
-        return self.logs[i].read_text(errors="replace")
-
-    def describe(self) -> str:
-        parts = [f"job {self.name}: return codes {self.returncodes()} (None: killed or running)"]
-        for i in range(len(self.procs)):
-            parts.append(
-                f"--- process {i} output (tail) ---\n{self.output(i)[-OUTPUT_TAIL_CHARS:]}"
-            )
-        return "\n".join(parts)
-
-    def assert_succeeded(self) -> None:
-        self.wait()
-        assert self.returncodes() == [0] * len(self.procs), self.describe()
-
-
-def _ranks_job(name: str, tmp: Path, args: list[str], port: int, world: int = 2) -> Job:
-    commands = [
-        ([sys.executable, *args], {**_base_env(), **torchrun_env(r, world, port)})
-        for r in range(world)
-    ]
-    return Job(name, commands, tmp)
-
-
-def _torchrun(*options: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *options]
+# --- subprocess jobs (tests/_dist.py's Job), all started at once ------------------------------
 
 
 class Jobs:
@@ -171,18 +53,17 @@ class Jobs:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.all: list[Job] = []
-        self._ports = iter(_free_ports(7))
+        self._ports = iter(free_ports(7))
         self.die = self._add(self._stall_job("die"))
         self.stuck = self._add(self._stall_job("stuck"))
         self.retrace = self._add(self._stall_job("retrace"))
         self.reference = self._add(self._elastic_job("reference", "reference", ["--no-donate"]))
         self.killed = self._add(self._elastic_job("killed", "resume", ["--kill-at", str(STOP_AT)]))
-        env = {**_base_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-        env["FDDP_CRASH_AT_STEP"] = str(STOP_AT)
-        restart = _torchrun("--standalone", "--nproc_per_node=2", "--max-restarts=1")
+        env = script_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", FDDP_CRASH_AT_STEP=str(STOP_AT))
+        restart = torchrun("--standalone", "--nproc_per_node=2", "--max-restarts=1")
         restart += [str(ELASTIC), "--dir", str(tmp / "restarted"), *ELASTIC_ARGS]
-        self.restarted = self._add(Job("restarted", [(restart, env)], tmp))
-        self.two_nodes = self._add(Job("two_nodes", self._two_node_commands(), tmp))
+        self.restarted = self._add(Job("restarted", [(restart, env)], tmp, JOB_TIMEOUT_S))
+        self.two_nodes = self._add(Job("two_nodes", self._two_node_commands(), tmp, JOB_TIMEOUT_S))
         self._resumed: Job | None = None
         self._stopping = False
         self._resume_starter = threading.Thread(target=self._start_resumed, daemon=True)
@@ -196,18 +77,18 @@ class Jobs:
         ready = self.tmp / f"{mode}-ready"
         ready.mkdir()
         args = [str(STALL_SCRIPT), mode, str(STALL_TIMEOUT_S), str(ready)]
-        return _ranks_job(mode, self.tmp, args, next(self._ports))
+        return Job.ranks(mode, self.tmp, args, port=next(self._ports), timeout=JOB_TIMEOUT_S)
 
     def _elastic_job(self, name: str, directory: str, extra: list[str]) -> Job:
         args = [str(ELASTIC), "--dir", str(self.tmp / directory), *ELASTIC_ARGS, *extra]
-        return _ranks_job(name, self.tmp, args, next(self._ports))
+        return Job.ranks(name, self.tmp, args, port=next(self._ports), timeout=JOB_TIMEOUT_S)
 
     def _two_node_commands(self) -> list[tuple[list[str], dict[str, str]]]:
         port = next(self._ports)
         common = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d"]
         common += [f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=fddp-two-nodes"]
         script = [str(ELASTIC), "--dir", str(self.tmp / "two_nodes"), *ELASTIC_ARGS]
-        return [(_torchrun(*common, f"--node_rank={n}", *script), _base_env()) for n in (0, 1)]
+        return [(torchrun(*common, f"--node_rank={n}", *script), script_env()) for n in (0, 1)]
 
     def _start_resumed(self) -> None:
         """As soon as the killed job has ended: new processes resume from its checkpoint."""
@@ -239,10 +120,6 @@ def jobs(tmp_path_factory: pytest.TempPathFactory):
 
 
 # --- 2 ranks in one spawn: mismatches and the NaN policy -----------------------------------
-
-
-def _flat(tree) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).float() for t in optree.tree_leaves(tree)])
 
 
 def _loss(params, x):
@@ -314,7 +191,7 @@ def _nan_policy() -> list[dict]:
 
     opt_state = opt.init(params)
     g = torch.Generator().manual_seed(1 + fddp.rank())
-    history = [{"params": _flat(params)}]
+    history = [{"params": detached(params)}]
     for i in range(4):
         x = torch.randn(2, 4, generator=g)
         if i == NAN_STEP and fddp.rank() == 1:
@@ -322,7 +199,7 @@ def _nan_policy() -> list[dict]:
         params, opt_state, loss = step(params, opt_state, x)
         history.append(
             {
-                "params": _flat(params),
+                "params": detached(params),
                 "loss": float(loss),
                 "notfinite_count": int(opt_state.notfinite_count),
                 "total_notfinite": int(opt_state.total_notfinite),
@@ -332,72 +209,44 @@ def _nan_policy() -> list[dict]:
     return history
 
 
-# Run in this order on both ranks.
-CHECKS: list[tuple[str, Callable]] = [
-    ("rank_branch", _rank_branch),
-    ("batch_width", _batch_width),
-    ("batch_dtype", _batch_dtype),
-    ("tree_unchecked", _tree_unchecked),
-    ("nan_policy", _nan_policy),
-    ("tree_checked", _tree_checked),
-]
-
-
-def _checks_worker(out_dir: str) -> None:
-    """Run CHECKS; each rank pickles each outcome to a file at once, so a crash loses none."""
-    for name, check in CHECKS:
-        start = time.monotonic()
-        try:
-            outcome = {"value": check()}
-        except Exception as e:
-            outcome = {"error": type(e).__name__, "message": str(e)}
-            outcome["traceback"] = traceback.format_exc()
-        outcome["seconds"] = time.monotonic() - start
-        if "value" in outcome and name != "nan_policy":
-            outcome["value"] = None
-        with open(Path(out_dir) / f"{name}.{fddp.rank()}.pkl", "wb") as f:
-            pickle.dump(outcome, f)
+# Run in this order on both ranks, in one spawn.
+CHECKS: dict[str, Callable] = {
+    "rank_branch": _rank_branch,
+    "batch_width": _batch_width,
+    "batch_dtype": _batch_dtype,
+    "tree_unchecked": _tree_unchecked,
+    "nan_policy": _nan_policy,
+    "tree_checked": _tree_checked,
+}
 
 
 @pytest.fixture(scope="module")
-def checks(jobs: Jobs, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], list[dict]]:
-    """``checks(name)``: the outcome of check ``name`` on each rank.
+def checks(jobs: Jobs):
+    """The named outcomes of CHECKS on each rank.
 
     Asks for ``jobs`` only to start the subprocess jobs first: they run while this spawn does.
     """
-    out_dir = tmp_path_factory.mktemp("checks")
-    try:
-        run_ranks(_checks_worker, 2, str(out_dir), timeout=SPAWN_TIMEOUT_S)
-        spawn_error = None
-    except AssertionError as e:
-        spawn_error = str(e)
-
-    def outcome(name: str) -> list[dict]:
-        files = [out_dir / f"{name}.{r}.pkl" for r in range(2)]
-        if not all(f.exists() for f in files):
-            pytest.fail(f"check {name} left no outcome on some rank:\n{spawn_error}", pytrace=False)
-        return [pickle.loads(f.read_bytes()) for f in files]
-
-    return outcome
+    return run_checks(CHECKS, 2, timeout=SPAWN_TIMEOUT_S)
 
 
-def _errors(outcomes: list[dict], error: str) -> list[str]:
+def _errors(checks, name: str, error: str) -> list[str]:
     """The messages, after asserting every rank raised ``error`` well before any timeout."""
+    outcomes = checks.outcomes(name)
     for r, o in enumerate(outcomes):
-        assert o.get("error") == error, f"rank {r}: expected {error}, got {o}"
-        assert o["seconds"] < 60, f"rank {r} took {o['seconds']:.1f} s to raise"
-    return [o["message"] for o in outcomes]
+        assert isinstance(o, Raised) and o.error == error, f"rank {r}: expected {error}, got {o}"
+        assert o.seconds < 60, f"rank {r} took {o.seconds:.1f} s to raise"
+    return [o.message for o in outcomes]
 
 
 def test_rank_dependent_collective_raises_on_every_rank(checks):
-    for message in _errors(checks("rank_branch"), "ScheduleMismatchError"):
+    for message in _errors(checks, "rank_branch", "ScheduleMismatchError"):
         assert "rank 1" in message
         assert re.search(r"collective #\d+ is all_reduce\w*\(1, torch.float32", message), message
         assert "<none> on rank 0" in message
 
 
 def test_batch_width_that_changes_a_collective_raises_on_every_rank(checks):
-    for message in _errors(checks("batch_width"), "ScheduleMismatchError"):
+    for message in _errors(checks, "batch_width", "ScheduleMismatchError"):
         assert "rank 1" in message
         in_collective = "(5, torch.float32" in message and "(4, torch.float32" in message
         in_arguments = "[2, 5]" in message and "[2, 4]" in message
@@ -405,37 +254,37 @@ def test_batch_width_that_changes_a_collective_raises_on_every_rank(checks):
 
 
 def test_batch_dtype_that_changes_a_collective_raises_on_every_rank(checks):
-    for message in _errors(checks("batch_dtype"), "ScheduleMismatchError"):
+    for message in _errors(checks, "batch_dtype", "ScheduleMismatchError"):
         assert "rank 1" in message and "torch.float64" in message, message
 
 
 def test_parameter_tree_mismatch_raises_on_every_rank_without_replica_check(checks):
-    for message in _errors(checks("tree_unchecked"), "ScheduleMismatchError"):
+    for message in _errors(checks, "tree_unchecked", "ScheduleMismatchError"):
         assert "rank 1" in message
 
 
 def test_parameter_tree_mismatch_raises_on_every_rank_with_replica_check(checks):
-    for message in _errors(checks("tree_checked"), "ReplicaMismatchError"):
+    for message in _errors(checks, "tree_checked", "ReplicaMismatchError"):
         assert "['v']" in message
 
 
 def test_nan_on_one_rank_skips_the_update_on_every_rank(checks):
-    histories = [o["value"] for o in checks("nan_policy")]
+    histories = checks["nan_policy"]
     for r, history in enumerate(histories):
         before, skipped, after = history[NAN_STEP], history[NAN_STEP + 1], history[NAN_STEP + 2]
         assert math.isnan(skipped["loss"])
-        assert torch.equal(skipped["params"], before["params"]), f"rank {r} applied the update"
+        assert_trees_equal(skipped["params"], before["params"], f"rank {r} applied the update")
         assert (skipped["notfinite_count"], skipped["total_notfinite"]) == (1, 1)
         assert skipped["adam_count"] == before["adam_count"] == 1
-        assert not torch.equal(after["params"], skipped["params"]), f"rank {r} stopped training"
+        moved = optree.tree_map(torch.equal, after["params"], skipped["params"])
+        assert not all(optree.tree_leaves(moved)), f"rank {r} stopped training"
         assert (after["notfinite_count"], after["total_notfinite"], after["adam_count"]) == (
             0,
             1,
             2,
         )
-        assert torch.isfinite(history[-1]["params"]).all()
-    for i, (a, b) in enumerate(zip(*histories)):
-        assert torch.equal(a["params"], b["params"]), f"ranks differ after step {i}"
+        assert all(torch.isfinite(p).all() for p in history[-1]["params"].values())
+    assert_ranks_equal([[step["params"] for step in h] for h in histories], "params by step")
 
 
 # --- apply_if_finite in one process ---------------------------------------------------------
@@ -531,12 +380,6 @@ def _final_params(job: Job, directory: Path) -> dict[str, torch.Tensor]:
     return fddp.load(directory / "final.pt")
 
 
-def _assert_bitwise_equal(actual: dict, expected: dict) -> None:
-    assert actual.keys() == expected.keys()
-    for name in expected:
-        assert torch.equal(actual[name], expected[name]), f"{name} differs"
-
-
 @pytest.fixture(scope="module")
 def reference_params(jobs: Jobs) -> dict[str, torch.Tensor]:
     return _final_params(jobs.reference, jobs.tmp / "reference")
@@ -550,7 +393,7 @@ def test_resume_after_kill_is_bitwise_exact(jobs, reference_params):
     for rank in (0, 1):
         assert f"rank {rank}: resumed from" in resumed.output(rank), resumed.describe()
         assert f"at step {RESUMED_FROM}" in resumed.output(rank), resumed.describe()
-    _assert_bitwise_equal(params, reference_params)
+    assert_trees_equal(params, reference_params, "final params")
 
 
 def test_torchrun_restart_after_a_crash_ends_like_an_uninterrupted_run(jobs, reference_params):
@@ -559,9 +402,9 @@ def test_torchrun_restart_after_a_crash_ends_like_an_uninterrupted_run(jobs, ref
     output = job.output(0)
     assert f"FDDP_CRASH_AT_STEP: rank 1 crashes at step {STOP_AT}" in output, job.describe()
     assert output.count(f"resumed from {jobs.tmp / 'restarted'}") == 2, job.describe()
-    _assert_bitwise_equal(params, reference_params)
+    assert_trees_equal(params, reference_params, "final params")
 
 
 def test_two_torchrun_nodes_train_like_one(jobs, reference_params):
     params = _final_params(jobs.two_nodes, jobs.tmp / "two_nodes")
-    _assert_bitwise_equal(params, reference_params)
+    assert_trees_equal(params, reference_params, "final params")

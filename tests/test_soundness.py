@@ -1,8 +1,9 @@
 """Replication soundness: a mistake that would make replicas differ, hang or retrace forever is a
 clear error (or warning) on every rank, on the traced and the eager path, first and later calls.
 
-One spawn of 2 gloo ranks runs the multi-rank checks in order; each returns what it saw (the
-error type and message, or values) so that every rank's outcome is asserted here.
+One spawn of 2 gloo ranks runs the named multi-rank checks in order (the one that breaks its
+group in a spawn of its own, beside it); each returns what it saw (the error type and message,
+or values), and one test per check asserts every rank's outcome.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ import functools
 import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _dist import run_checks, run_ranks
+from _compare import assert_ranks_equal
+from _dist import run_checks
 
 import fddp
 import fddp.optim as optim
@@ -205,81 +208,120 @@ def stable_static_keys():
     }
 
 
-def test_soundness_on_two_ranks():
-    checks = [
-        functools.partial(forgotten_pmean, True),
-        functools.partial(forgotten_pmean, False),
-        per_rank_metrics_are_fine,
-        functools.partial(static_arg_differs, Config(0.5)),
-        functools.partial(static_arg_differs, Mode.EVAL),
-        functools.partial(static_arg_differs, Config(0.5), False),
-        functools.partial(permuted_replica, "rows"),
-        functools.partial(permuted_replica, "transpose"),
-        functools.partial(eager_shapes_differ, "shape"),
-        functools.partial(eager_shapes_differ, "swapped"),
-        functools.partial(integer_pmean, True),
-        functools.partial(integer_pmean, False),
-        two_threads,
-        nested,
-        stable_static_keys,
-    ]
-    results = iter(run_checks(checks, 2, timeout=SPAWN_TIMEOUT_S))
+def _destroyed():
+    """Last on the spawn: it destroys the group."""
+    pstep = fddp.data_parallel(_sgd)
+    w = {"w": torch.ones(4, 4)}
+    w = pstep(w, torch.ones(2, 4))
+    dist.destroy_process_group()
+    start = time.monotonic()
+    outcome = _outcome(pstep, w, torch.ones(2, 4))
+    outcome["seconds"] = time.monotonic() - start
+    return outcome
 
-    # A forgotten pmean: an error on every rank at the second call, naming the leaf and the fix.
-    for trace in (True, False):
-        for r, out in enumerate(next(results)):
-            assert out.get("error") == "ReplicaMismatchError", (trace, r, out)
-            assert out["calls"] == 1, (trace, out)
-            assert "pmean" in out["message"]
-            if trace:
-                assert "['0.weight']" in out["message"] or "['0.bias']" in out["message"]
-                assert "[3]['x']" in out["message"], out["message"]
 
-    # Per-rank metrics are allowed; the schedule shows which outputs are replicated.
-    ranks = next(results)
-    for name in ranks[0]["params"]:
-        assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name])
+# Run in this order on both ranks, in one spawn.
+CHECKS = {
+    "forgotten_pmean_traced": functools.partial(forgotten_pmean, True),
+    "forgotten_pmean_eager": functools.partial(forgotten_pmean, False),
+    "per_rank_metrics": per_rank_metrics_are_fine,
+    "static_config_traced": functools.partial(static_arg_differs, Config(0.5)),
+    "static_mode_traced": functools.partial(static_arg_differs, Mode.EVAL),
+    "static_config_eager": functools.partial(static_arg_differs, Config(0.5), False),
+    "permuted_rows": functools.partial(permuted_replica, "rows"),
+    "permuted_transpose": functools.partial(permuted_replica, "transpose"),
+    "eager_shape": functools.partial(eager_shapes_differ, "shape"),
+    "eager_swapped": functools.partial(eager_shapes_differ, "swapped"),
+    "integer_pmean_traced": functools.partial(integer_pmean, True),
+    "integer_pmean_eager": functools.partial(integer_pmean, False),
+    "two_threads": two_threads,
+    "nested": nested,
+    "stable_static_keys": stable_static_keys,
+    "destroyed": _destroyed,
+}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    # The timeout check breaks its group: it has a spawn of its own, run meanwhile (its rank 1
+    # mostly sleeps).
+    with ThreadPoolExecutor(1) as pool:
+        timeout_run = pool.submit(run_checks, {"timeout": _timeout_applies}, 2, timeout=120)
+        results = run_checks(CHECKS, 2, timeout=SPAWN_TIMEOUT_S)
+        return {"main": results, "timeout": timeout_run.result()}
+
+
+@pytest.mark.parametrize("trace", ["traced", "eager"])
+def test_a_forgotten_pmean_is_an_error_at_the_second_call_naming_the_leaf(runs, trace):
+    for r, out in enumerate(runs["main"][f"forgotten_pmean_{trace}"]):
+        assert out.get("error") == "ReplicaMismatchError", (trace, r, out)
+        assert out["calls"] == 1, (trace, out)
+        assert "pmean" in out["message"]
+        if trace == "traced":
+            assert "['0.weight']" in out["message"] or "['0.bias']" in out["message"]
+            assert "[3]['x']" in out["message"], out["message"]
+
+
+def test_per_rank_metrics_are_allowed_and_the_schedule_shows_them(runs):
+    ranks = runs["main"]["per_rank_metrics"]
+    assert_ranks_equal([out["params"] for out in ranks], "params")
     replication = dict(ranks[0]["replication"])
     assert replication["[0]['0.weight']"] == "replicated"
     assert replication["[2]"].startswith("per-rank (from argument leaf [3]")
     assert "outputs:" in ranks[0]["table"]
 
-    # Static arguments that differ: named with both values, traced and eager.
-    for expected in ("Config(dropout=0.5)", "Mode.EVAL", "Config(dropout=0.5)"):
-        for out in next(results):
-            assert out.get("error") == "ScheduleMismatchError", out
-            assert "argument leaf [2]" in out["message"] and expected in out["message"]
 
-    # Replicas permuted or transposed: caught by the bitwise digest, leaf named.
-    for _ in range(2):
-        for out in next(results):
-            assert out.get("error") == "ReplicaMismatchError", out
-            assert "['w']" in out["message"]
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("static_config_traced", "Config(dropout=0.5)"),
+        ("static_mode_traced", "Mode.EVAL"),
+        ("static_config_eager", "Config(dropout=0.5)"),
+    ],
+)
+def test_static_arguments_that_differ_are_named_with_both_values(runs, name, expected):
+    for out in runs["main"][name]:
+        assert out.get("error") == "ScheduleMismatchError", out
+        assert "argument leaf [2]" in out["message"] and expected in out["message"]
 
-    # trace=False agrees on the signature too.
-    for _ in range(2):
-        for out in next(results):
-            assert out.get("error") == "ScheduleMismatchError", out
-            assert "[0]['a']" in out["message"] or "[0]['b']" in out["message"]
 
-    # pmean of integers: one TypeError, traced and eager.
-    for _ in range(2):
-        for out in next(results):
-            assert out.get("error") == "UsageTypeError", out  # a TypeError
-            assert "psum" in out["message"] and "int64" in out["message"]
+@pytest.mark.parametrize("kind", ["rows", "transpose"])
+def test_permuted_or_transposed_replicas_are_caught_by_the_digest(runs, kind):
+    for out in runs["main"][f"permuted_{kind}"]:
+        assert out.get("error") == "ReplicaMismatchError", out
+        assert "['w']" in out["message"]
 
-    # Two threads: one call runs, the other is refused with a clear error; no abort.
-    for rank_out in next(results):
+
+@pytest.mark.parametrize("kind", ["shape", "swapped"])
+def test_trace_false_agrees_on_the_signature_too(runs, kind):
+    for out in runs["main"][f"eager_{kind}"]:
+        assert out.get("error") == "ScheduleMismatchError", out
+        assert "[0]['a']" in out["message"] or "[0]['b']" in out["message"]
+
+
+@pytest.mark.parametrize("trace", ["traced", "eager"])
+def test_pmean_of_integers_is_one_type_error(runs, trace):
+    for out in runs["main"][f"integer_pmean_{trace}"]:
+        assert out.get("error") == "UsageTypeError", out  # a TypeError
+        assert "psum" in out["message"] and "int64" in out["message"]
+
+
+def test_two_threads_one_call_runs_and_the_other_is_refused(runs):
+    for rank_out in runs["main"]["two_threads"]:
         kinds = sorted(o.get("error", "ok") for o in rank_out["outcomes"])
         assert kinds == ["RuntimeError", "ok"], rank_out
         message = next(o["message"] for o in rank_out["outcomes"] if "message" in o)
         assert "another thread" in message
 
-    for out in next(results):
+
+def test_nesting_data_parallel_is_refused(runs):
+    for out in runs["main"]["nested"]:
         assert out.get("error") == "UsageValueError", out  # a ValueError
         assert "nesting data_parallel is not supported" in out["message"]
 
-    for out in next(results):
+
+def test_static_keys_are_stable_and_the_cache_keeps_the_recent_programs(runs):
+    for out in runs["main"]["stable_static_keys"]:
         assert out["nan_retraces"] == 0
         assert out["shape_retraces"] == 5 and out["kept"] and out["dropped"]
         assert len(out["warnings"]) == 1 and "[1]" in out["warnings"][0]
@@ -303,27 +345,16 @@ def _timeout_applies():
     return out
 
 
-def test_later_explicit_timeout_applies_to_the_existing_group():
-    out = run_ranks(_timeout_applies, 2, timeout=60)[0]
+def test_later_explicit_timeout_applies_to_the_existing_group(runs):
+    out = runs["timeout"]["timeout"][0]
     assert out["message"] is not None
     assert out["seconds"] < 5.5, out
     for later in out["later"]:  # every later call names the failure the same way
         assert later.get("error") == "RankFailureError", later
 
 
-def _destroyed():
-    pstep = fddp.data_parallel(_sgd)
-    w = {"w": torch.ones(4, 4)}
-    w = pstep(w, torch.ones(2, 4))
-    dist.destroy_process_group()
-    start = time.monotonic()
-    outcome = _outcome(pstep, w, torch.ones(2, 4))
-    outcome["seconds"] = time.monotonic() - start
-    return outcome
-
-
-def test_a_step_after_destroy_process_group_raises_at_once():
-    for out in run_ranks(_destroyed, 2, timeout=60):
+def test_a_step_after_destroy_process_group_raises_at_once(runs):
+    for out in runs["main"]["destroyed"]:
         assert out.get("error") == "RuntimeError", out
         assert "destroy_process_group" in out["message"] and "fddp.init()" in out["message"]
         assert out["seconds"] < 2

@@ -24,6 +24,7 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
+from _compare import assert_ranks_equal, assert_trees_close, detached, max_abs_diff
 from _dist import run_checks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -192,10 +193,6 @@ TRANSFORMERS_MODELS = {"bert", "gpt2", "llama", "t5", "vit"}
 # --- one rank's run ---------------------------------------------------------------------------
 
 
-def _flat(tree) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).float() for t in optree.tree_leaves(tree)])
-
-
 def _run(name: str) -> dict | None:
     """Train ``name`` with data_parallel on this rank's shards and, as the reference, without
     ``pmean`` on the global batches; return both trajectories and the capture method."""
@@ -236,8 +233,8 @@ def _run(name: str) -> dict | None:
         global_batch = make_batch(100 + s)
         p_fx, s_fx, loss_fx = pstep(p_fx, s_fx, fddp.shard(global_batch))
         p_ref, s_ref, loss_ref = reference(p_ref, s_ref, global_batch)
-        out["fx"].append(_flat(p_fx))
-        out["reference"].append(_flat(p_ref))
+        out["fx"].append(detached(p_fx))
+        out["reference"].append(detached(p_ref))
         out["fx_loss"].append(loss_fx.detach())
         out["reference_loss"].append(loss_ref.detach())
     out["methods"] = [pstep.schedule(p_fx, s_fx, fddp.shard(global_batch)).captured_with]
@@ -291,18 +288,17 @@ def _resnet_against_ddp() -> dict | None:
         torch_opt.zero_grad()
         ddp(**batch).loss.backward()
         torch_opt.step()
-        out["fx"].append(_flat(params))
-        out["ddp"].append(_flat(dict(ddp.module.named_parameters())))
-        out["buffers"].append(_flat(buffers))
-        out["ddp_buffers"].append(_flat(dict(ddp.module.named_buffers())))
+        out["fx"].append(detached(params))
+        out["ddp"].append(detached(dict(ddp.module.named_parameters())))
+        out["buffers"].append(detached(buffers))
+        out["ddp_buffers"].append(detached(dict(ddp.module.named_buffers())))
     return out
 
 
 @pytest.fixture(scope="module")
 def zoo_runs() -> dict[str, list[dict | None]]:
-    checks = [functools.partial(_run, name) for name in MODELS] + [_resnet_against_ddp]
-    results = run_checks(checks, WORLD, timeout=300)
-    return dict(zip([*MODELS, "resnet"], results))
+    checks = {name: functools.partial(_run, name) for name in MODELS}
+    return run_checks({**checks, "resnet": _resnet_against_ddp}, WORLD, timeout=300)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -311,15 +307,11 @@ def test_model_matches_one_process_on_the_global_batch(zoo_runs, name):
         pytest.skip("transformers is not installed")
     runs = zoo_runs[name]
     for rank, run in enumerate(runs):
-        for s, (a, b) in enumerate(zip(run["fx"], run["reference"])):
-            torch.testing.assert_close(
-                a, b, **TOL, msg=lambda m, s=s, rank=rank: f"rank {rank} step {s + 1}: {m}"
-            )
-        torch.testing.assert_close(torch.stack(run["fx_loss"]), torch.stack(run["reference_loss"]))
-        assert (run["fx"][-1] - run["fx"][0]).abs().max() > 1e-3  # it trains
+        assert_trees_close(run["fx"], run["reference"], **TOL, what=f"rank {rank}: params by step")
+        assert_trees_close(run["fx_loss"], run["reference_loss"], what=f"rank {rank}: losses")
+        assert max_abs_diff(run["fx"][-1], run["fx"][0]) > 1e-3  # it trains
         assert run["retraces"] == 0
-    for run in runs[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(run["fx"], runs[0]["fx"]))
+    assert_ranks_equal([run["fx"] for run in runs], "params by step")
 
 
 def test_t5_with_an_attention_mask_is_captured_with_dynamo(zoo_runs):
@@ -334,13 +326,7 @@ def test_resnet_with_batchnorm_matches_ddp(zoo_runs):
     if not HAS_TRANSFORMERS:
         pytest.skip("transformers is not installed")
     for rank, run in enumerate(zoo_runs["resnet"]):
-        for s in range(STEPS):
-            for ours, theirs in (("fx", "ddp"), ("buffers", "ddp_buffers")):
-                torch.testing.assert_close(
-                    run[ours][s],
-                    run[theirs][s],
-                    **TOL,
-                    msg=lambda m, s=s, rank=rank, what=ours: (
-                        f"{what}, rank {rank} step {s + 1}: {m}"
-                    ),
-                )
+        assert_trees_close(run["fx"], run["ddp"], **TOL, what=f"params by step, rank {rank}")
+        assert_trees_close(
+            run["buffers"], run["ddp_buffers"], **TOL, what=f"buffers by step, rank {rank}"
+        )
