@@ -1,16 +1,17 @@
 """fddp.data_parallel against single-process training and DDP, on 2 gloo ranks and a world of one.
 
-The 2-rank runs are grouped (a spawn costs seconds): each worker trains several variants of one
-setup and returns their parameter trajectories; the tests below compare them. References: the
-same step without ``pmean`` on the concatenated global batch (single process), and
-``torch.nn.parallel.DistributedDataParallel`` where BatchNorm makes per-rank statistics matter.
+The 2-rank checks run by name in one spawn: each trains one variant of a shared setup and
+returns its parameter trajectory (the parameter trees after every step); the tests below read
+them by name and compare them leaf by leaf. References: the same step without ``pmean`` on the
+concatenated global batch (single process), and ``torch.nn.parallel.DistributedDataParallel``
+where BatchNorm makes per-rank statistics matter.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
-import traceback
 import warnings
 
 import _models
@@ -19,7 +20,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _dist import run_ranks
+from _compare import (
+    assert_ranks_equal,
+    assert_trees_close,
+    assert_trees_equal,
+    detached,
+    max_abs_diff,
+)
+from _dist import run_checks
 from torch.nn.parallel import DistributedDataParallel
 
 import fddp
@@ -40,16 +48,8 @@ def _identity(tree):
     return tree
 
 
-def _flat(tree) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).float() for t in optree.tree_leaves(tree)])
-
-
 def _clone(tree):
     return optree.tree_map(torch.clone, tree)
-
-
-def _tree_equal(a, b) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)))
 
 
 def _make_step(loss_fn, opt, reduce):
@@ -87,23 +87,23 @@ def _make_accum_step(loss_fn, opt, k):
 
 
 def _train(step, params, opt_state, batches, *, check_unchanged=False, fresh=False):
-    """Run ``step`` over ``batches``; return flat params (and losses) after every step.
+    """Run ``step`` over ``batches``; return the params (and losses) after every step.
 
     ``fresh`` passes clones of the initial state (for donated runs); ``check_unchanged``
-    records whether every argument still equals its pre-call clone after each call.
+    keeps every call's arguments and their pre-call clones, to compare after the run.
     """
     if fresh:
         params, opt_state = _clone(params), _clone(opt_state)
-    trajectory, losses, unchanged = [], [], True
+    trajectory, losses, calls = [], [], []
     for batch in batches:
         before = _clone((params, opt_state, batch)) if check_unchanged else None
         args = (params, opt_state, batch)
         params, opt_state, loss = step(*args)
         if check_unchanged:
-            unchanged = unchanged and _tree_equal(args, before)
-        trajectory.append(_flat(params))
+            calls.append({"after": detached(args), "before": before})
+        trajectory.append(detached(params))
         losses.append(loss.detach().clone())
-    return {"params": trajectory, "loss": losses, "unchanged": unchanged}
+    return {"params": trajectory, "loss": losses, "calls": calls}
 
 
 # --- 2 ranks: an MLP, every option -----------------------------------------------------------
@@ -119,123 +119,98 @@ def _mlp_setup():
     return model, loss_fn
 
 
-def _attempt(out: dict, name: str, fn) -> None:
-    """``out[name] = fn()``, or the traceback: one failing variant must not hide the others.
-
-    Every variant fails or succeeds alike on all ranks (same code, same shapes), so a rank that
-    records an error does not leave its peer waiting in a collective.
-    """
-    try:
-        out[name] = fn()
-    except Exception:
-        out[name] = {"error": traceback.format_exc()}
-
-
-def _result(run: dict, name: str):
-    value = run[name]
-    if isinstance(value, dict) and "error" in value:
-        pytest.fail(f"{name} raised on a rank:\n{value['error']}", pytrace=False)
-    return value
-
-
-def _mlp_worker() -> dict:
+@functools.cache
+def _mlp_case():
+    """This rank's MLP setup, shared by the MLP checks (they run in one process, in order)."""
     model, loss_fn = _mlp_setup()
     params = fddp.replicate(fddp.state(model)[0])
-    opt = SGD
-    state = opt.init(params)
+    state = SGD.init(params)
     rows, d_in, d_out = 12, MLP_SIZES[0], MLP_SIZES[-1]
     global_batches = [_models.regression_batch(s, rows, d_in, d_out) for s in range(STEPS)]
     batches = [fddp.shard(b) for b in global_batches]
-    step = _make_step(loss_fn, opt, fddp.pmean)
+    return loss_fn, params, state, global_batches, batches
 
-    def schedule(pstep):
-        return [
-            (c.kind, c.leaves, c.dtype)
-            for c in pstep.schedule(params, state, batches[0]).collectives
-        ]
 
-    out: dict = {}
-    reference = _make_step(loss_fn, opt, _identity)
-    _attempt(out, "reference", lambda: _train(reference, params, state, global_batches))
-    fx = fddp.data_parallel(step, **MLP_CAPS)
-    _attempt(out, "fx", lambda: _train(fx, params, state, batches, check_unchanged=True))
-    _attempt(out, "fx_schedule", lambda: schedule(fx))
-    eager = fddp.data_parallel(step, trace=False)
-    _attempt(out, "eager", lambda: _train(eager, params, state, batches))
+@functools.cache
+def _mlp_pstep(variant: str):
+    """The data_parallel step of a variant, made once per rank (its schedule is read later)."""
+    loss_fn = _mlp_case()[0]
+    step = _make_step(loss_fn, SGD, fddp.pmean)
+    if variant == "fx":
+        return fddp.data_parallel(step, **MLP_CAPS)
+    if variant == "eager":
+        return fddp.data_parallel(step, trace=False)
+    if variant == "donated":
+        return fddp.data_parallel(step, donate_argnums=(0, 1), **MLP_CAPS)
+    if variant == "bf16":
+        return fddp.data_parallel(step, comm_dtype=torch.bfloat16, **MLP_CAPS)
+    if variant == "accum":
+        return fddp.data_parallel(_make_accum_step(loss_fn, SGD, ACCUM_K), **MLP_CAPS)
+    if variant == "item_eager":
+        return fddp.data_parallel(_step_with_item(loss_fn), trace=False)
+    assert variant == "inductor", variant
+    return fddp.data_parallel(step, compile=True, **MLP_CAPS)
 
-    def gradient_writers(pstep):
-        graph = pstep.graph(params, state, batches[0]).graph
-        return [
-            (str(n.target), n.kwargs.get("alpha")) for n in graph.nodes if "out" in str(n.target)
-        ]
 
-    _attempt(out, "fx_gradient_writers", lambda: gradient_writers(fx))
-
-    donated = fddp.data_parallel(step, donate_argnums=(0, 1), **MLP_CAPS)
-    _attempt(out, "donated", lambda: _train(donated, params, state, batches, fresh=True))
-
-    def batch_unchanged():
-        batch = _clone(batches[0])
-        donated(_clone(params), _clone(state), batch)
-        return _tree_equal(batch, batches[0])
-
-    _attempt(out, "donated_batch_unchanged", batch_unchanged)
-
-    bf16 = fddp.data_parallel(step, comm_dtype=torch.bfloat16, **MLP_CAPS)
-    _attempt(out, "bf16", lambda: _train(bf16, params, state, batches))
-    _attempt(out, "bf16_schedule", lambda: schedule(bf16))
-
-    accum = fddp.data_parallel(_make_accum_step(loss_fn, opt, ACCUM_K), **MLP_CAPS)
-    _attempt(out, "accum", lambda: _train(accum, params, state, batches))
-    _attempt(out, "accum_schedule", lambda: schedule(accum))
-
+def _step_with_item(loss_fn):
     def step_with_item(params, opt_state, batch):
         loss, grads = fddp.value_and_grad(loss_fn)(params, batch)
         if loss.item() > 0:  # Python control flow on a tensor value: not capturable
             grads = fddp.pmean(grads)
-        updates, opt_state = opt.update(grads, opt_state, params)
+        updates, opt_state = SGD.update(grads, opt_state, params)
         return optim.apply_updates(params, updates), opt_state, fddp.pmean(loss)
 
-    def capture_error():
-        try:
-            fddp.data_parallel(step_with_item)(params, state, batches[0])
-        except Exception as e:
-            return (isinstance(e, CaptureError), isinstance(e, RuntimeError), str(e))
-        return None
-
-    _attempt(out, "capture_error", capture_error)
-    item_eager = fddp.data_parallel(step_with_item, trace=False)
-    _attempt(out, "item_eager", lambda: _train(item_eager, params, state, batches[:2]))
-
-    inductor = fddp.data_parallel(step, compile=True, **MLP_CAPS)
-    _attempt(out, "inductor", lambda: _train(inductor, params, state, batches))
-    return out
+    return step_with_item
 
 
-@pytest.fixture(scope="module")
-def mlp_runs() -> list[dict]:
-    return run_ranks(_mlp_worker, WORLD, timeout=240)
+def check_mlp_reference():
+    loss_fn, params, state, global_batches, _ = _mlp_case()
+    return _train(_make_step(loss_fn, SGD, _identity), params, state, global_batches)
 
 
-def _assert_trajectories_close(actual: list, expected: list, **tol) -> None:
-    assert len(actual) == len(expected)
-    for i, (a, e) in enumerate(zip(actual, expected)):
-        torch.testing.assert_close(a, e, **tol, msg=lambda m, i=i: f"after step {i + 1}: {m}")
+def check_mlp_variant(variant: str, **options):
+    _, params, state, _, batches = _mlp_case()
+    steps = batches[:2] if variant == "item_eager" else batches
+    return _train(_mlp_pstep(variant), params, state, steps, **options)
 
 
-def _assert_ranks_bitwise_equal(trajectories: list[list[torch.Tensor]], name: str) -> None:
-    for r in range(1, len(trajectories)):
-        for i, (a, b) in enumerate(zip(trajectories[0], trajectories[r])):
-            assert torch.equal(a, b), f"{name}: rank {r} differs from rank 0 after step {i + 1}"
+def check_mlp_schedule(variant: str):
+    _, params, state, _, batches = _mlp_case()
+    plan = _mlp_pstep(variant).schedule(params, state, batches[0])
+    return [(c.kind, c.leaves, c.dtype) for c in plan.collectives]
 
 
-def test_mlp_matches_single_process_on_global_batch(mlp_runs):
-    for run in mlp_runs:
-        fx, reference = _result(run, "fx"), _result(run, "reference")
-        _assert_trajectories_close(fx["params"], reference["params"], **TOL)
-        _assert_trajectories_close(fx["loss"], reference["loss"], **TOL)
-        assert (fx["params"][-1] - fx["params"][0]).abs().max() > 0.05  # it trains
-        assert len({c[1] for c in _result(run, "fx_schedule")}) > 2  # several buckets
+def check_mlp_gradient_writers():
+    _, params, state, _, batches = _mlp_case()
+    graph = _mlp_pstep("fx").graph(params, state, batches[0]).graph
+    return [(str(n.target), n.kwargs.get("alpha")) for n in graph.nodes if "out" in str(n.target)]
+
+
+def check_mlp_donated_batch():
+    """A batch passed to a step that donates other arguments: (after the call, before)."""
+    _, params, state, _, batches = _mlp_case()
+    batch = _clone(batches[0])
+    _mlp_pstep("donated")(_clone(params), _clone(state), batch)
+    return batch, batches[0]
+
+
+def check_mlp_capture_error():
+    loss_fn, params, state, _, batches = _mlp_case()
+    try:
+        fddp.data_parallel(_step_with_item(loss_fn))(params, state, batches[0])
+    except Exception as e:
+        return (isinstance(e, CaptureError), isinstance(e, RuntimeError), str(e))
+    return None
+
+
+def test_mlp_matches_single_process_on_global_batch(runs):
+    for rank, (fx, reference, plan) in enumerate(
+        zip(runs["fx"], runs["reference"], runs["fx_schedule"], strict=True)
+    ):
+        assert_trees_close(fx["params"], reference["params"], **TOL, what=f"rank {rank} params")
+        assert_trees_close(fx["loss"], reference["loss"], **TOL, what=f"rank {rank} losses")
+        assert max_abs_diff(fx["params"][-1], fx["params"][0]) > 0.05  # it trains
+        assert len({c[1] for c in plan}) > 2  # several buckets
 
 
 @pytest.mark.parametrize(
@@ -249,76 +224,77 @@ def test_mlp_matches_single_process_on_global_batch(mlp_runs):
         "inductor",
     ],
 )
-def test_ranks_bitwise_identical_after_every_step(mlp_runs, variant):
-    _assert_ranks_bitwise_equal([_result(run, variant)["params"] for run in mlp_runs], variant)
+def test_ranks_bitwise_identical_after_every_step(runs, variant):
+    assert_ranks_equal([run["params"] for run in runs[variant]], f"{variant} params by step")
 
 
 @pytest.mark.parametrize("variant", ["fx", "inductor"])
-def test_fx_and_inductor_backends_match_trace_false(mlp_runs, variant):
-    for run in mlp_runs:
-        eager = _result(run, "eager")["params"]
-        _assert_trajectories_close(_result(run, variant)["params"], eager, **TIGHT)
-        _assert_trajectories_close(eager, _result(run, "reference")["params"], **TOL)
+def test_fx_and_inductor_backends_match_trace_false(runs, variant):
+    for rank in range(WORLD):
+        eager = runs["eager"][rank]["params"]
+        got = runs[variant][rank]["params"]
+        assert_trees_close(got, eager, **TIGHT, what=f"{variant} vs trace=False, rank {rank}")
+        reference = runs["reference"][rank]["params"]
+        assert_trees_close(eager, reference, **TOL, what=f"trace=False vs reference, rank {rank}")
 
 
-def test_weight_gradients_are_computed_in_their_bucket_with_the_pmean_folded_in(mlp_runs):
+def test_weight_gradients_are_computed_in_their_bucket_with_the_pmean_folded_in(runs):
     """Each Linear weight's gradient matmul writes into its bucket slot, scaled by 1/2 (exact
     for a power-of-two world), so the traced step equals the eager psum-then-divide bitwise."""
-    for run in mlp_runs:
-        writers = _result(run, "fx_gradient_writers")
+    for rank, writers in enumerate(runs["fx_gradient_writers"]):
         weights = len(MLP_SIZES) - 1
         assert writers.count(("aten.addmm.out", 1 / WORLD)) == weights, writers
-        fx, eager = _result(run, "fx")["params"], _result(run, "eager")["params"]
-        assert all(torch.equal(a, b) for a, b in zip(fx, eager))
+        fx, eager = runs["fx"][rank]["params"], runs["eager"][rank]["params"]
+        assert_trees_equal(fx, eager, f"fx vs trace=False, rank {rank}")
 
 
-def test_without_donation_inputs_are_never_mutated(mlp_runs):
-    for run in mlp_runs:
-        assert _result(run, "fx")["unchanged"]
-        assert _result(run, "donated_batch_unchanged")  # not donated, though others are
+def test_without_donation_inputs_are_never_mutated(runs):
+    for rank, fx in enumerate(runs["fx"]):
+        assert len(fx["calls"]) == STEPS
+        for i, call in enumerate(fx["calls"]):
+            assert_trees_equal(call["after"], call["before"], f"rank {rank}, call {i + 1}")
+    for after, before in runs["donated_batch"]:  # not donated, though others are
+        assert_trees_equal(after, before, "the batch of a donating step")
 
 
-def test_donation_gives_the_same_results(mlp_runs):
-    for run in mlp_runs:
-        donated, fx = _result(run, "donated"), _result(run, "fx")
-        _assert_trajectories_close(donated["params"], fx["params"], **TIGHT)
-        _assert_trajectories_close(donated["loss"], fx["loss"], **TIGHT)
+def test_donation_gives_the_same_results(runs):
+    for rank, (donated, fx) in enumerate(zip(runs["donated"], runs["fx"], strict=True)):
+        assert_trees_close(donated["params"], fx["params"], **TIGHT, what=f"rank {rank} params")
+        assert_trees_close(donated["loss"], fx["loss"], **TIGHT, what=f"rank {rank} losses")
 
 
-def test_comm_dtype_bfloat16_schedule_reduces_in_bfloat16(mlp_runs):
-    for run in mlp_runs:
-        assert {dtype for _, _, dtype in _result(run, "bf16_schedule")} == {"bfloat16"}
-        leaves = [names for _, names, _ in _result(run, "bf16_schedule")]
-        assert leaves == [names for _, names, _ in _result(run, "fx_schedule")]
+def test_comm_dtype_bfloat16_schedule_reduces_in_bfloat16(runs):
+    for bf16, fx in zip(runs["bf16_schedule"], runs["fx_schedule"], strict=True):
+        assert {dtype for _, _, dtype in bf16} == {"bfloat16"}
+        assert [names for _, names, _ in bf16] == [names for _, names, _ in fx]
 
 
-def test_comm_dtype_bfloat16_results_close_to_float32(mlp_runs):
-    for run in mlp_runs:
-        bf16, fx = _result(run, "bf16")["params"], _result(run, "fx")["params"]
-        _assert_trajectories_close(bf16, fx, rtol=2e-2, atol=2e-3)
-        assert not torch.equal(bf16[-1], fx[-1])  # the cast did happen
+def test_comm_dtype_bfloat16_results_close_to_float32(runs):
+    for rank, (bf16, fx) in enumerate(zip(runs["bf16"], runs["fx"], strict=True)):
+        assert_trees_close(bf16["params"], fx["params"], rtol=2e-2, atol=2e-3, what=f"rank {rank}")
+        assert max_abs_diff(bf16["params"][-1], fx["params"][-1]) > 0  # the cast did happen
 
 
-def test_grad_accumulation_one_all_reduce_per_bucket_and_same_result(mlp_runs):
-    for run in mlp_runs:
-        leaves = [leaf for _, names, _ in _result(run, "accum_schedule") for leaf in names]
-        expected = [leaf for _, names, _ in _result(run, "fx_schedule") for leaf in names]
+def test_grad_accumulation_one_all_reduce_per_bucket_and_same_result(runs):
+    for rank in range(WORLD):
+        leaves = [leaf for _, names, _ in runs["accum_schedule"][rank] for leaf in names]
+        expected = [leaf for _, names, _ in runs["fx_schedule"][rank] for leaf in names]
         assert sorted(leaves) == sorted(expected)  # each leaf reduced once, not ACCUM_K times
         assert len(leaves) == 2 * (len(MLP_SIZES) - 1) + 1  # the gradients and the loss
-        accum, fx = _result(run, "accum"), _result(run, "fx")
-        _assert_trajectories_close(accum["params"], fx["params"], **TOL)
-        _assert_trajectories_close(accum["loss"], fx["loss"], **TOL)
+        accum, fx = runs["accum"][rank], runs["fx"][rank]
+        assert_trees_close(accum["params"], fx["params"], **TOL, what=f"rank {rank} params")
+        assert_trees_close(accum["loss"], fx["loss"], **TOL, what=f"rank {rank} losses")
 
 
-def test_uncapturable_step_raises_capture_error_on_every_rank(mlp_runs):
-    for run in mlp_runs:
-        error = _result(run, "capture_error")
+def test_uncapturable_step_raises_capture_error_on_every_rank(runs):
+    for rank, error in enumerate(runs["capture_error"]):
         assert error is not None, "a step with loss.item() control flow was captured"
         is_capture_error, is_runtime_error, message = error
         assert is_capture_error and is_runtime_error
         assert "trace=False" in message and "item" in message
-        reference = _result(run, "reference")["params"][:2]
-        _assert_trajectories_close(_result(run, "item_eager")["params"], reference, **TOL)
+        reference = runs["reference"][rank]["params"][:2]
+        got = runs["item_eager"][rank]["params"]
+        assert_trees_close(got, reference, **TOL, what=f"trace=False with .item(), rank {rank}")
 
 
 # --- 2 ranks: a CNN with BatchNorm against DDP, a decoder, a Hugging Face model ----------------
@@ -364,10 +340,10 @@ def _cnn_run(steps: int) -> dict:
         for v in mean.values():
             dist.all_reduce(v)
             v /= fddp.world_size()
-        out["params"].append(_flat(params))
-        out["ddp_params"].append(_flat(dict(ddp.module.named_parameters())))
-        out["buffers"].append(_flat({k: buffers[k] for k in mean}))
-        out["ddp_buffers"].append(_flat(mean))
+        out["params"].append(detached(params))
+        out["ddp_params"].append(detached(dict(ddp.module.named_parameters())))
+        out["buffers"].append(detached({k: buffers[k] for k in mean}))
+        out["ddp_buffers"].append(detached(mean))
         out["counts"].append(
             (
                 buffers["bn1.num_batches_tracked"].item(),
@@ -397,43 +373,64 @@ def _logits(output):
     return output.logits
 
 
-def _models_worker() -> dict:
-    out = {"cnn": _cnn_run(10), "decoder": _lm_run(_models.tiny_decoder(), SGD, 10, _identity)}
-    if importlib.util.find_spec("transformers") is not None:
-        # Adam divides by sqrt(v) + eps: a large eps keeps near-zero gradients (rounding noise
-        # in both runs) from turning into different lr-sized updates.
-        adamw = optim.adamw(lr=1e-2, eps=1e-4)
-        out["gpt2"] = _lm_run(_models.tiny_gpt2(), adamw, 10, _logits)
-    return out
+def _lm_run_decoder(steps: int) -> dict:
+    return _lm_run(_models.tiny_decoder(), SGD, steps, _identity)
+
+
+def check_gpt2():
+    if importlib.util.find_spec("transformers") is None:
+        return None
+    # Adam divides by sqrt(v) + eps: a large eps keeps near-zero gradients (rounding noise in
+    # both runs) from turning into different lr-sized updates.
+    adamw = optim.adamw(lr=1e-2, eps=1e-4)
+    return _lm_run(_models.tiny_gpt2(), adamw, 10, _logits)
+
+
+# Run in this order on both ranks, in one spawn.
+CHECKS = {
+    "reference": check_mlp_reference,
+    "fx": functools.partial(check_mlp_variant, "fx", check_unchanged=True),
+    "fx_schedule": functools.partial(check_mlp_schedule, "fx"),
+    "eager": functools.partial(check_mlp_variant, "eager"),
+    "fx_gradient_writers": check_mlp_gradient_writers,
+    "donated": functools.partial(check_mlp_variant, "donated", fresh=True),
+    "donated_batch": check_mlp_donated_batch,
+    "bf16": functools.partial(check_mlp_variant, "bf16"),
+    "bf16_schedule": functools.partial(check_mlp_schedule, "bf16"),
+    "accum": functools.partial(check_mlp_variant, "accum"),
+    "accum_schedule": functools.partial(check_mlp_schedule, "accum"),
+    "capture_error": check_mlp_capture_error,
+    "item_eager": functools.partial(check_mlp_variant, "item_eager"),
+    "inductor": functools.partial(check_mlp_variant, "inductor"),
+    "cnn": functools.partial(_cnn_run, 10),
+    "decoder": functools.partial(_lm_run_decoder, 10),
+    "gpt2": check_gpt2,
+}
 
 
 @pytest.fixture(scope="module")
-def model_runs() -> list[dict]:
-    return run_ranks(_models_worker, WORLD, timeout=240)
+def runs():
+    return run_checks(CHECKS, WORLD, timeout=300)
 
 
-def test_cnn_with_batchnorm_matches_ddp(model_runs):
-    for run in model_runs:
-        cnn = run["cnn"]
-        _assert_trajectories_close(cnn["params"], cnn["ddp_params"], **TOL)
-        _assert_trajectories_close(cnn["buffers"], cnn["ddp_buffers"], **TOL)
+def test_cnn_with_batchnorm_matches_ddp(runs):
+    for rank, cnn in enumerate(runs["cnn"]):
+        assert_trees_close(cnn["params"], cnn["ddp_params"], **TOL, what=f"rank {rank} params")
+        assert_trees_close(cnn["buffers"], cnn["ddp_buffers"], **TOL, what=f"rank {rank} buffers")
         assert cnn["counts"] == [(s + 1, s + 1) for s in range(len(cnn["counts"]))]
-    for r in range(1, len(model_runs)):
-        for name in ("params", "buffers"):
-            for a, b in zip(model_runs[0]["cnn"][name], model_runs[r]["cnn"][name]):
-                assert torch.equal(a, b)
+    for name in ("params", "buffers"):
+        assert_ranks_equal([cnn[name] for cnn in runs["cnn"]], f"cnn {name} by step")
 
 
 @pytest.mark.parametrize("model", ["decoder", "gpt2"])
-def test_language_model_matches_single_process_on_global_batch(model_runs, model):
+def test_language_model_matches_single_process_on_global_batch(runs, model):
     if model == "gpt2":
         pytest.importorskip("transformers")
-    for run in model_runs:
-        _assert_trajectories_close(
-            run[model]["fx"]["params"], run[model]["reference"]["params"], **TOL
-        )
-        _assert_trajectories_close(run[model]["fx"]["loss"], run[model]["reference"]["loss"], **TOL)
-    _assert_ranks_bitwise_equal([run[model]["fx"]["params"] for run in model_runs], model)
+    for rank, run in enumerate(runs[model]):
+        fx, reference = run["fx"], run["reference"]
+        assert_trees_close(fx["params"], reference["params"], **TOL, what=f"rank {rank} params")
+        assert_trees_close(fx["loss"], reference["loss"], **TOL, what=f"rank {rank} losses")
+    assert_ranks_equal([run["fx"]["params"] for run in runs[model]], f"{model} params by step")
 
 
 # --- a world of one: signatures, closures, capture errors ------------------------------------
@@ -461,7 +458,7 @@ def test_same_signature_does_not_retrace_and_new_batch_shape_does():
     pstep(p3, state, small)  # back to a known signature: cached, compiled no more
     assert pstep.retraces == 1
     expected, _, _ = step(p2, state, large)
-    torch.testing.assert_close(p3, expected, **TIGHT)
+    assert_trees_close(p3, expected, **TIGHT)
 
 
 def test_donated_params_and_optimizer_state_are_updated_in_place():
@@ -479,7 +476,7 @@ def test_donated_params_and_optimizer_state_are_updated_in_place():
         q, t, loss = plain(q, t, batch)
         # one copy of the parameters and optimizer state: the outputs live in the inputs
         assert {x.data_ptr() for x in optree.tree_leaves((p, s))} == storage
-        torch.testing.assert_close((p, s, donated_loss), (q, t, loss), **TIGHT)
+        assert_trees_close((p, s, donated_loss), (q, t, loss), **TIGHT)
 
 
 class _Scaled(torch.nn.Module):
@@ -517,8 +514,8 @@ def test_step_may_close_over_module_buffers_and_constants():
         x = torch.randn(4, 5, generator=torch.Generator().manual_seed(s))
         p_traced, _, loss_traced = traced(p_traced, state, x)
         p_eager, _, loss_eager = eager(p_eager, state, x)
-        torch.testing.assert_close(p_traced, p_eager, **TIGHT)
-        torch.testing.assert_close(loss_traced, loss_eager, **TIGHT)
+        assert_trees_close(p_traced, p_eager, **TIGHT)
+        assert_trees_close(loss_traced, loss_eager, **TIGHT)
     assert traced.retraces == 0
 
 
@@ -536,9 +533,7 @@ def test_uncapturable_step_names_the_cause_and_trace_false_runs_it():
         fddp.data_parallel(step)(params, batch)
     assert isinstance(info.value, RuntimeError)
     assert "item" in str(info.value)
-    torch.testing.assert_close(
-        fddp.data_parallel(step, trace=False)(params, batch), step(params, batch)
-    )
+    assert_trees_close(fddp.data_parallel(step, trace=False)(params, batch), step(params, batch))
 
 
 def test_a_step_that_fails_eagerly_too_shows_the_plain_error():
