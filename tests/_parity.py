@@ -2,26 +2,24 @@
 
 Each parity module compares a DDP feature with fddp's, side by side on the same model, data and
 seed. Its 2-rank checks register with :func:`two_rank_check`; the first test that asks for
-:func:`two_rank_runs` runs every registered check, of every parity module collected, in one
-spawn of 2 ranks (spawning costs seconds: every rank imports torch and traces its first step).
-A check returns plain values that the tests compare; one that raises is reported by the tests
-that read it, without hiding the other checks.
+:func:`two_rank_runs` runs every registered check, of every parity module collected, by name in
+one run of 2 ranks (tests/_dist.py's ``run_checks``). A check returns plain values (parameter
+trees after every step, which the tests compare with tests/_compare.py); one that raises fails
+the tests that read it, without hiding the other checks.
 """
 
 from __future__ import annotations
 
 import functools
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import _models
 import optree
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _dist import run_ranks
+from _dist import CheckResults, run_checks
 from torch import nn
 
 import fddp
@@ -50,32 +48,9 @@ def two_rank_check(name: str) -> Callable[[Callable[[], Any]], Callable[[], Any]
 
 
 @functools.cache
-def two_rank_runs() -> list[dict]:
-    """``runs[rank][name]``: every registered check's result (or traceback), from one spawn."""
-    return run_ranks(_run_checks, WORLD, dict(_TWO_RANK_CHECKS), timeout=SPAWN_TIMEOUT_S)
-
-
-def _run_checks(checks: dict[str, Callable[[], Any]]) -> dict:
-    """Each check in turn, its result or its traceback, so one failure hides no other check.
-
-    Each check fails or passes alike on every rank, so no rank is left waiting in a collective.
-    """
-    out = {}
-    for name, check in checks.items():
-        try:
-            out[name] = check()
-        except Exception:
-            out[name] = {"error": traceback.format_exc()}
-    return out
-
-
-def results_of(runs: list[dict], name: str) -> list:
-    """Check ``name``'s result on each rank; a check that raised fails the test with its trace."""
-    values = [run[name] for run in runs]
-    for r, value in enumerate(values):
-        if isinstance(value, dict) and "error" in value:
-            pytest.fail(f"{name} raised on rank {r}:\n{value['error']}", pytrace=False)
-    return values
+def two_rank_runs() -> CheckResults:
+    """``runs[name][rank]``: every registered check's result, from one run of 2 ranks."""
+    return run_checks(dict(_TWO_RANK_CHECKS), WORLD, timeout=SPAWN_TIMEOUT_S)
 
 
 # --- models, data, steps -------------------------------------------------------------------------
@@ -132,11 +107,6 @@ def ddp_train_step(ddp, opt, x, y) -> float:
 # --- values and comparisons ----------------------------------------------------------------------
 
 
-def flat(tree) -> torch.Tensor:
-    """Every leaf of ``tree``, flattened into one float32 vector."""
-    return torch.cat([t.detach().reshape(-1).float() for t in optree.tree_leaves(tree)])
-
-
 def named_params(module: nn.Module) -> dict:
     """Parameters by name, flattened in the same (sorted-key) order as fddp's params dicts."""
     return {k: v.detach().clone() for k, v in module.named_parameters()}
@@ -154,15 +124,3 @@ def from_rank0(tree):
     for leaf in leaves:
         dist.broadcast(leaf, 0)
     return optree.tree_unflatten(spec, leaves)
-
-
-def assert_steps_close(actual: list, expected: list, what: str, **tol) -> None:
-    assert len(actual) == len(expected), what
-    for i, (a, e) in enumerate(zip(actual, expected)):
-        torch.testing.assert_close(a, e, **tol, msg=lambda m, i=i: f"{what}, step {i + 1}: {m}")
-
-
-def assert_ranks_equal(values: list, what: str) -> None:
-    for r in range(1, len(values)):
-        for a, b in zip(optree.tree_leaves(values[0]), optree.tree_leaves(values[r])):
-            assert torch.equal(torch.as_tensor(a), torch.as_tensor(b)), f"{what}: rank {r} != 0"

@@ -15,16 +15,14 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from _compare import assert_trees_close, detached
 from _parity import (
     TOL,
-    assert_steps_close,
-    flat,
     full_batch,
     global_mean,
     local_batch,
     mse_setup,
     named_params,
-    results_of,
     sgd_step,
     two_rank_check,
     two_rank_runs,
@@ -72,8 +70,8 @@ def _check_accumulation(steps: int = 4) -> dict:
                 micro.backward()
             total += global_mean(micro)
         torch_opt.step()
-        out["params"].append(flat(params))
-        out["ddp_params"].append(flat(named_params(ddp.module)))
+        out["params"].append(detached(params))
+        out["ddp_params"].append(detached(named_params(ddp.module)))
         out["loss"].append(loss.item())
         out["ddp_loss"].append(total)
     x, y = local_batch(0, 2 * ACCUM_K)
@@ -121,8 +119,8 @@ def _check_uneven() -> dict:
                 ref_params, ref_state, data_x[rows], data_y[rows]
             )
             run["rows"].append(len(idx))
-            run["params"].append(flat(params))
-            run["ref_params"].append(flat(ref_params))
+            run["params"].append(detached(params))
+            run["ref_params"].append(detached(ref_params))
             run["loss"].append(loss.item())
             run["ref_loss"].append(ref_loss.item())
         out[n] = run
@@ -141,14 +139,14 @@ def _check_uneven() -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict]:
+def runs():
     return two_rank_runs()
 
 
 def test_accumulation_matches_ddp_no_sync(runs):
-    for r in results_of(runs, "accumulation"):
-        assert_steps_close(r["params"], r["ddp_params"], "params vs DDP no_sync", **TOL)
-        torch.testing.assert_close(r["loss"], r["ddp_loss"], **TOL)
+    for r in runs["accumulation"]:
+        assert_trees_close(r["params"], r["ddp_params"], **TOL, what="params vs DDP no_sync")
+        assert_trees_close(r["loss"], r["ddp_loss"], **TOL, what="losses vs DDP no_sync")
         grads = [leaf for leaf in r["reduced_leaves"] if leaf != "<root>"]
         assert sorted(grads) == sorted(set(grads)), "a gradient was all-reduced more than once"
         assert len(grads) == r["param_leaves"]
@@ -156,18 +154,18 @@ def test_accumulation_matches_ddp_no_sync(runs):
 
 @pytest.mark.parametrize("n", [23, 17])
 def test_uneven_epoch_equals_one_process_on_the_whole_dataset(runs, n):
-    results = [r[n] for r in results_of(runs, "uneven")]
+    results = [r[n] for r in runs["uneven"]]
     last = 7 if n == 23 else 1
     assert [r["rows"][-1] for r in results] == [(last + 1) // 2, last // 2]
     assert all(r["rows"][:-1] == [4, 4] for r in results)  # same number of steps on every rank
     for r in results:
-        assert_steps_close(r["params"], r["ref_params"], f"n={n}: params", **TOL)
-        torch.testing.assert_close(r["loss"], r["ref_loss"], **TOL)
-    assert [r["retraces"] for r in results_of(runs, "uneven")] == [0, 0]  # padded: one shape
+        assert_trees_close(r["params"], r["ref_params"], **TOL, what=f"n={n}: params")
+        assert_trees_close(r["loss"], r["ref_loss"], **TOL, what=f"n={n}: losses")
+    assert [r["retraces"] for r in runs["uneven"]] == [0, 0]  # padded: one shape
 
 
 def test_a_rank_that_runs_out_of_data_early_raises_on_every_rank(runs):
-    for r in results_of(runs, "uneven"):
+    for r in runs["uneven"]:
         assert r["early_end"] is not None
         assert "rank(s) [1] ran out of data after 2 steps" in r["early_end"]
 

@@ -16,17 +16,14 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
+from _compare import assert_ranks_equal, assert_trees_close, detached, max_abs_diff
 from _parity import (
     TOL,
-    assert_ranks_equal,
-    assert_steps_close,
     ddp_train_step,
-    flat,
     full_batch,
     local_batch,
     mse_setup,
     named_params,
-    results_of,
     sgd_step,
     two_rank_check,
     two_rank_runs,
@@ -75,8 +72,8 @@ def _check_low_precision_comm(steps: int = 5) -> dict:
             x, y = local_batch(s, 4)
             params, state, _ = pstep(params, state, x, y)
             ddp_train_step(ddp, torch_opt, x, y)
-            run["params"].append(flat(params))
-            run["ddp_params"].append(flat(named_params(ddp.module)))
+            run["params"].append(detached(params))
+            run["ddp_params"].append(detached(named_params(ddp.module)))
         x, y = local_batch(0, 4)
         run["wire"] = {c.dtype for c in pstep.schedule(params, state, x, y).collectives}
         out[str(dtype)] = run
@@ -165,8 +162,8 @@ def _check_powersgd() -> dict:
     _, own_losses, _ = train(own)
     before, after = ddp_state.compression_stats()[1:]
     return {
-        "params": flat(final),
-        "ddp_params": flat(named_params(ddp.module)),
+        "params": detached(final),
+        "ddp_params": detached(named_params(ddp.module)),
         "loss": losses,
         "ddp_loss": ddp_losses,
         "own_seed_loss": own_losses,
@@ -204,9 +201,9 @@ def _check_mixed_precision(steps: int = 4) -> dict:
         params, state, _ = pstep(params, state, fddp.shard(x), fddp.shard(y))
         ref, ref_state, _ = split(ref, ref_state, x, y)
         ref32, ref32_state, _ = full32(ref32, ref32_state, x, y)
-        out["params"].append(flat(params))
-        out["ref_params"].append(flat(ref))
-        out["fp32_params"].append(flat(ref32))
+        out["params"].append(detached(params))
+        out["ref_params"].append(detached(ref))
+        out["fp32_params"].append(detached(ref32))
     x, y = local_batch(0, 4)
     out["param_dtypes"] = {str(v.dtype) for v in params.values()}
     out["grad_dtypes"] = {str(g.dtype) for g in fddp.grad(low)(params, x, y).values()}
@@ -218,23 +215,23 @@ def _check_mixed_precision(steps: int = 4) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict]:
+def runs():
     return two_rank_runs()
 
 
 @pytest.mark.parametrize("dtype", ["torch.bfloat16", "torch.float16"])
 def test_comm_dtype_matches_ddp_compress_hook(runs, dtype):
-    for r in results_of(runs, "low_precision_comm"):
+    for r in runs["low_precision_comm"]:
         run = r[dtype]
         assert run["wire"] == {dtype.removeprefix("torch.")}
-        assert_steps_close(run["params"], run["ddp_params"], f"{dtype} vs DDP hook", **TOL)
+        assert_trees_close(run["params"], run["ddp_params"], **TOL, what=f"{dtype} vs DDP hook")
 
 
 def test_powersgd_matches_ddp_powersgd_hook_and_sends_fewer_bytes(runs):
-    results = results_of(runs, "powersgd")
+    results = runs["powersgd"]
     for r in results:
-        torch.testing.assert_close(r["params"], r["ddp_params"], **TOL)
-        torch.testing.assert_close(r["loss"], r["ddp_loss"], rtol=PSGD_LOSS_RTOL, atol=0)
+        assert_trees_close(r["params"], r["ddp_params"], **TOL, what="params vs DDP")
+        assert_trees_close(r["loss"], r["ddp_loss"], rtol=PSGD_LOSS_RTOL, atol=0, what="losses")
         own, ddp = r["own_seed_loss"][-1], r["ddp_loss"][-1]
         assert abs(own - ddp) <= PSGD_OWN_SEED_LOSS_RTOL * ddp
         assert r["compressed_leaves"] == ["['0.weight']", "['2.weight']", "['4.weight']"]
@@ -247,13 +244,13 @@ def test_powersgd_matches_ddp_powersgd_hook_and_sends_fewer_bytes(runs):
 
 
 def test_mixed_precision_keeps_fp32_master_params_and_matches_the_same_casts(runs):
-    for r in results_of(runs, "mixed_precision"):
+    for r in runs["mixed_precision"]:
         assert r["param_dtypes"] == {"torch.float32"} and r["grad_dtypes"] == {"torch.float32"}
         assert r["wire"] == {"float32"}
-        assert_steps_close(r["params"], r["ref_params"], "bf16 vs same casts", **TOL)
-        assert_steps_close(r["params"], r["fp32_params"], "bf16 vs fp32", rtol=0, atol=2e-3)
-        assert (r["params"][-1] - r["params"][0]).abs().max() > 0.05  # it trains
-        assert not torch.equal(r["params"][-1], r["fp32_params"][-1])  # it did compute in bf16
+        assert_trees_close(r["params"], r["ref_params"], **TOL, what="bf16 vs same casts")
+        assert_trees_close(r["params"], r["fp32_params"], rtol=0, atol=2e-3, what="bf16 vs fp32")
+        assert max_abs_diff(r["params"][-1], r["params"][0]) > 0.05  # it trains
+        assert max_abs_diff(r["params"][-1], r["fp32_params"][-1]) > 0  # it did compute in bf16
 
 
 # --- a world of one: the helpers on their own ----------------------------------------------------

@@ -15,18 +15,21 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from _compare import (
+    assert_ranks_equal,
+    assert_trees_close,
+    assert_trees_equal,
+    detached,
+    max_abs_diff,
+)
 from _parity import (
     TOL,
-    assert_ranks_equal,
-    assert_steps_close,
     ddp_train_step,
-    flat,
     from_rank0,
     full_batch,
     local_batch,
     mse_setup,
     named_params,
-    results_of,
     sgd_step,
     two_rank_check,
     two_rank_runs,
@@ -62,8 +65,8 @@ def _check_replicas() -> dict:
 
     params = fddp.replicate(fddp.state(model)[0])
     ddp = DistributedDataParallel(copy.deepcopy(model))  # broadcasts rank 0's at construction
-    out["replicated"] = flat(params)
-    out["ddp_initial"] = flat(named_params(ddp.module))
+    out["replicated"] = detached(params)
+    out["ddp_initial"] = detached(named_params(ddp.module))
     torch_opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     state = opt.init(params)
     out["params"], out["ddp_params"] = [], []
@@ -71,8 +74,8 @@ def _check_replicas() -> dict:
         x, y = local_batch(s, 4)
         params, state, _ = pstep(params, state, x, y)
         ddp_train_step(ddp, torch_opt, x, y)
-        out["params"].append(flat(params))
-        out["ddp_params"].append(flat(named_params(ddp.module)))
+        out["params"].append(detached(params))
+        out["ddp_params"].append(detached(named_params(ddp.module)))
     return out
 
 
@@ -130,10 +133,10 @@ def _check_buffers(steps: int = 4) -> dict:
             # rank 0's are the ones every rank trains with. False: DDP keeps per-rank buffers,
             # whose mean follows the same linear update as fddp's averaged ones.
             reference = from_rank0(ddp_buffers) if how == "broadcast" else fddp.pmean(ddp_buffers)
-            run["params"].append(flat(params))
-            run["ddp_params"].append(flat(named_params(ddp.module)))
-            run["buffers"].append(flat(_floats(buffers)))
-            run["ddp_buffers"].append(flat(reference))
+            run["params"].append(detached(params))
+            run["ddp_params"].append(detached(named_params(ddp.module)))
+            run["buffers"].append(detached(_floats(buffers)))
+            run["ddp_buffers"].append(detached(reference))
             run["counts"].append(int(buffers["1.num_batches_tracked"]))
         out[how] = run
     return out
@@ -161,10 +164,10 @@ def _check_sync_batchnorm(steps: int = 4) -> dict:
         x, y = full_batch(s, 8)
         params, state, buffers = pstep(params, state, buffers, fddp.shard(x), fddp.shard(y))
         ref_params, ref_state, ref_buffers = ref_step(ref_params, ref_state, ref_buffers, x, y)
-        out["params"].append(flat(params))
-        out["ref_params"].append(flat(ref_params))
-        out["buffers"].append(flat(buffers))
-        out["ref_buffers"].append(flat(ref_buffers))
+        out["params"].append(detached(params))
+        out["ref_params"].append(detached(ref_params))
+        out["buffers"].append(detached(buffers))
+        out["ref_buffers"].append(detached(ref_buffers))
     x = full_batch(99, 6)[0]
     synced.eval(), base.eval()
     out["eval"] = fddp.functional(synced)(params, buffers, x)
@@ -177,22 +180,22 @@ def _check_sync_batchnorm(steps: int = 4) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict]:
+def runs():
     return two_rank_runs()
 
 
 def test_data_parallel_refuses_replicas_that_differ_naming_the_leaf(runs):
-    for message in results_of(runs, "replicas"):
+    for message in runs["replicas"]:
         assert message["mismatch"] is not None, "differing parameters were not detected"
         assert "['2.weight']" in message["mismatch"] and "fddp.replicate" in message["mismatch"]
 
 
 def test_replicate_gives_rank0_values_like_ddp_and_trains_like_ddp(runs):
-    results = results_of(runs, "replicas")
+    results = runs["replicas"]
     for r in results:
-        assert torch.equal(r["replicated"], results[0]["replicated"])
-        assert torch.equal(r["replicated"], r["ddp_initial"])
-        assert_steps_close(r["params"], r["ddp_params"], "params vs DDP", **TOL)
+        assert_trees_equal(r["replicated"], results[0]["replicated"], "replicated params")
+        assert_trees_equal(r["replicated"], r["ddp_initial"], "replicated vs DDP's initial")
+        assert_trees_close(r["params"], r["ddp_params"], **TOL, what="params vs DDP")
 
 
 @pytest.mark.parametrize(
@@ -200,25 +203,25 @@ def test_replicate_gives_rank0_values_like_ddp_and_trains_like_ddp(runs):
     ["broadcast", "mean"],
 )
 def test_buffers_broadcast_or_mean_match_ddp(runs, how):
-    results = [r[how] for r in results_of(runs, "buffers")]
+    results = [r[how] for r in runs["buffers"]]
     for r in results:
-        assert_steps_close(r["params"], r["ddp_params"], f"{how}: params vs DDP", **TOL)
-        assert_steps_close(r["buffers"], r["ddp_buffers"], f"{how}: buffers vs DDP", **TOL)
+        assert_trees_close(r["params"], r["ddp_params"], **TOL, what=f"{how}: params vs DDP")
+        assert_trees_close(r["buffers"], r["ddp_buffers"], **TOL, what=f"{how}: buffers vs DDP")
         assert r["counts"] == list(range(1, len(r["counts"]) + 1))
     assert_ranks_equal([r["buffers"] for r in results], f"{how}: buffers")
 
 
 def test_buffer_choices_differ_so_the_tests_can_tell_them_apart(runs):
-    (r0, *_) = results_of(runs, "buffers")
-    assert not torch.allclose(r0["broadcast"]["buffers"][-1], r0["mean"]["buffers"][-1])
+    (r0, *_) = runs["buffers"]
+    assert max_abs_diff(r0["broadcast"]["buffers"][-1], r0["mean"]["buffers"][-1]) > 1e-3
 
 
 def test_sync_batchnorm_matches_batchnorm_on_the_global_batch(runs):
-    results = results_of(runs, "sync_batchnorm")
+    results = runs["sync_batchnorm"]
     for r in results:
-        assert_steps_close(r["params"], r["ref_params"], "params vs global batch", **TOL)
-        assert_steps_close(r["buffers"], r["ref_buffers"], "buffers vs global batch", **TOL)
-        torch.testing.assert_close(r["eval"], r["ref_eval"], **TOL)
+        assert_trees_close(r["params"], r["ref_params"], **TOL, what="params vs global batch")
+        assert_trees_close(r["buffers"], r["ref_buffers"], **TOL, what="buffers vs global batch")
+        assert_trees_close(r["eval"], r["ref_eval"], **TOL, what="eval outputs")
     assert_ranks_equal([r["params"] for r in results], "sync batchnorm params")
 
 

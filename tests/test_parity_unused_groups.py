@@ -16,19 +16,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _dist import run_ranks
+from _compare import assert_ranks_equal, assert_trees_close, detached, max_abs_diff
+from _dist import run_checks
 from _parity import (
     SIZES,
     TOL,
-    assert_ranks_equal,
-    assert_steps_close,
     ddp_step,
-    flat,
     full_batch,
     local_batch,
     mse_setup,
     named_params,
-    results_of,
     sgd_step,
     two_rank_check,
     two_rank_runs,
@@ -90,8 +87,8 @@ def _branchy_run(steps, ddp_use_branch, step_arg, fddp_use_branch, *, momentum: 
         torch_opt.zero_grad()
         F.mse_loss(ddp(x, ddp_use_branch(s)), y).backward()
         torch_opt.step()
-        out["params"].append(flat(params))
-        out["ddp_params"].append(flat(named_params(ddp.module)))
+        out["params"].append(detached(params))
+        out["ddp_params"].append(detached(named_params(ddp.module)))
         out["branch_moved"].append(not torch.equal(before, params["branch.weight"]))
     out["retraces"] = step.retraces
     return out
@@ -134,15 +131,15 @@ def _check_python_branch_on_rank() -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict]:
+def runs():
     return two_rank_runs()
 
 
 @pytest.mark.parametrize("where", ["some_steps", "some_ranks"])
 def test_unused_parameters_train_like_ddp_find_unused(runs, where):
-    results = results_of(runs, where)
+    results = runs[where]
     for r in results:
-        assert_steps_close(r["params"], r["ddp_params"], f"{where}: params vs DDP", **TOL)
+        assert_trees_close(r["params"], r["ddp_params"], **TOL, what=f"{where}: params vs DDP")
     assert_ranks_equal([r["params"] for r in results], where)
     if where == "some_steps":
         assert results[0]["branch_moved"] == [True, False, True, False]
@@ -150,7 +147,7 @@ def test_unused_parameters_train_like_ddp_find_unused(runs, where):
 
 
 def test_python_branch_on_the_rank_raises_instead_of_diverging(runs):
-    results = results_of(runs, "python_branch_on_rank")
+    results = runs["python_branch_on_rank"]
     for r in results:
         assert r["raised"] is not None, "ranks traced different steps and trained apart"
         assert "no branch depends on the rank" in r["raised"]
@@ -180,18 +177,18 @@ def _groups_worker() -> dict:
         params, state, _ = pstep(params, state, *local)
         ddp_step(ddp, torch_opt, *local)  # no world-wide loss mean: the groups are apart
         ref, ref_state, _ = reference(ref, ref_state, x, y)
-        out["params"].append(flat(params))
-        out["ddp_params"].append(flat(named_params(ddp.module)))
-        out["ref_params"].append(flat(ref))
+        out["params"].append(detached(params))
+        out["ddp_params"].append(detached(named_params(ddp.module)))
+        out["ref_params"].append(detached(ref))
     return out
 
 
 def test_two_process_groups_train_independently():
-    results = run_ranks(_groups_worker, 4, timeout=300)
+    results = run_checks({"two_groups": _groups_worker}, 4, timeout=300)["two_groups"]
     for r in results:
-        assert_steps_close(r["params"], r["ref_params"], f"group {r['group']}", **TOL)
-        assert_steps_close(r["params"], r["ddp_params"], f"group {r['group']} DDP", **TOL)
+        assert_trees_close(r["params"], r["ref_params"], **TOL, what=f"group {r['group']}")
+        assert_trees_close(r["params"], r["ddp_params"], **TOL, what=f"group {r['group']} DDP")
     assert [len(r["params"]) for r in results] == [3, 3, 5, 5]
     assert_ranks_equal([r["params"] for r in results[:2]], "group 0")
     assert_ranks_equal([r["params"] for r in results[2:]], "group 1")
-    assert not torch.allclose(results[0]["params"][-1], results[2]["params"][-1])
+    assert max_abs_diff(results[0]["params"][-1], results[2]["params"][-1]) > 1e-3  # apart
