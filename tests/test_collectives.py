@@ -5,7 +5,7 @@ import collections
 import optree
 import pytest
 import torch
-from _dist import run_ranks
+from _dist import run_checks
 
 import fddp
 from fddp import _collectives
@@ -115,7 +115,8 @@ def test_eager_buckets_group_consecutive_same_dtype_leaves_under_the_cap(monkeyp
 # --- N ranks ---------------------------------------------------------------------------------
 
 
-def _check_values(r: int, n: int) -> None:
+def _check_values() -> None:
+    r, n = fddp.rank(), fddp.world_size()
     trees = [_inputs(k) for k in range(n)]
     mine = _inputs(r)
     before = optree.tree_map(torch.clone, mine)
@@ -139,7 +140,9 @@ def _check_values(r: int, n: int) -> None:
     _assert_close_tree(mine, before, exact=True)  # no collective mutates its input
 
 
-def _check_several_buckets(r: int, n: int) -> None:
+def _check_several_buckets() -> None:
+    r, n = fddp.rank(), fddp.world_size()
+
     def tree(k: int) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(1000 + k)
         dtypes = [torch.float32, torch.float32, torch.float64, torch.int64]
@@ -178,7 +181,8 @@ def _w_x(k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, generator=g), torch.randn(4, generator=g)
 
 
-def _check_gradients(r: int, n: int) -> None:
+def _check_gradients() -> None:
+    r, n = fddp.rank(), fddp.world_size()
     w, x = _w_x(r)
     s = sum(wk * xk for wk, xk in (_w_x(k) for k in range(n)))
 
@@ -210,14 +214,20 @@ def _check_gradients(r: int, n: int) -> None:
     torch.testing.assert_close(stacked, n * c.view(n, 4)[r])
 
 
-def _collective_checks() -> str:
-    r, n = fddp.rank(), fddp.world_size()
-    _check_values(r, n)
-    _check_several_buckets(r, n)
-    _check_gradients(r, n)
-    return "ok"
+CHECKS = {
+    "values": _check_values,
+    "several_buckets": _check_several_buckets,
+    "gradients": _check_gradients,
+}
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_collectives_on_n_ranks(world_size):
-    assert run_ranks(_collective_checks, world_size) == ["ok"] * world_size
+@pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
+def runs(request):
+    """The checks' outcomes on 2 and on 3 ranks (each asserts on every rank)."""
+    return request.param, run_checks(CHECKS, request.param)
+
+
+@pytest.mark.parametrize("check", list(CHECKS))
+def test_collectives_on_n_ranks(runs, check):
+    world_size, results = runs
+    assert results[check] == [None] * world_size

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
-from _dist import run_ranks
+import pytest
+from _dist import run_checks
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 PMEAN_LINE = "    grads = fddp.pmean(grads)"
@@ -30,16 +32,28 @@ def _run(code: str) -> dict:
     return {"printed": printed.getvalue()}
 
 
-def test_quickstart_trains_on_two_ranks_and_a_forgotten_pmean_is_an_error():
+@pytest.fixture(scope="module")
+def runs():
     code = quickstart()
     assert PMEAN_LINE in code
     forgotten = code.replace(PMEAN_LINE, "")
-    ranks = run_ranks(_run, 2, code, timeout=180)
+    checks = {
+        "quickstart": functools.partial(_run, code),
+        "forgotten": functools.partial(_run, forgotten),
+    }
+    return run_checks(checks, 2, timeout=180)
+
+
+def test_quickstart_trains_on_two_ranks(runs):
+    ranks = runs["quickstart"]
     for out in ranks:
         assert "error" not in out, out
         assert re.search(r"loss \d+\.\d+", out["printed"]), out["printed"]
         assert "bucketed all-reduce" in out["printed"] and "replicated" in out["printed"]
     assert ranks[0]["printed"].split("\n")[0] == ranks[1]["printed"].split("\n")[0]  # same loss
-    for out in run_ranks(_run, 2, forgotten, timeout=180):
+
+
+def test_quickstart_without_its_pmean_line_is_an_error(runs):
+    for out in runs["forgotten"]:
         assert out.get("error") == "ReplicaMismatchError", out
         assert "fddp.pmean(grads)" in out["message"]

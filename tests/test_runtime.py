@@ -2,11 +2,11 @@
 
 import collections
 
-import optree
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run_ranks
+from _compare import assert_trees_equal
+from _dist import run_checks
 
 import fddp
 
@@ -69,19 +69,6 @@ def _rank_tree(r: int) -> dict:
     }
 
 
-def _assert_trees_equal(a, b) -> None:
-    la, sa = optree.tree_flatten(a)
-    lb, sb = optree.tree_flatten(b)
-    assert sa == sb
-    for x, y in zip(la, lb):
-        if isinstance(x, torch.Tensor):
-            assert isinstance(y, torch.Tensor)
-            assert x.dtype == y.dtype and x.shape == y.shape
-            assert torch.equal(x, y)
-        else:
-            assert x == y
-
-
 def _expect_value_error_on_every_rank(tree, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         fddp.replicate(tree)
@@ -93,8 +80,8 @@ def _replicate_checks() -> list[str]:
     before = _rank_tree(r)
     for src in range(n):
         out = fddp.replicate(mine, src=src)
-        _assert_trees_equal(out, _rank_tree(src))
-    _assert_trees_equal(mine, before)  # the input is not modified
+        assert_trees_equal(out, _rank_tree(src))
+    assert_trees_equal(mine, before)  # the input is not modified
     assert fddp.replicate(mine)["name"] == "rank0"
 
     # One coalesced broadcast for all tensor leaves, whatever their dtypes.
@@ -155,23 +142,37 @@ def _shard_checks() -> dict:
     return {"even": out["x"], "uneven": got["x"]}
 
 
-def _runtime_checks() -> dict:
+def _init_checks() -> dict:
     r, n = fddp.rank(), fddp.world_size()
     fddp.init()  # idempotent under a launcher too
     assert (fddp.rank(), fddp.world_size()) == (r, n)
     assert 0 <= r < n
-    _replicate_checks()
-    return {"rank": r, "world_size": n, **_shard_checks()}
+    return {"rank": r, "world_size": n}
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_runtime_on_n_ranks(world_size):
-    results = run_ranks(_runtime_checks, world_size)
-    assert [res["rank"] for res in results] == list(range(world_size))
-    assert {res["world_size"] for res in results} == {world_size}
-    n = world_size
+CHECKS = {"init": _init_checks, "replicate": _replicate_checks, "shard": _shard_checks}
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
+def runs(request):
+    return request.param, run_checks(CHECKS, request.param)
+
+
+def test_init_and_rank_on_n_ranks(runs):
+    world_size, results = runs
+    assert [res["rank"] for res in results["init"]] == list(range(world_size))
+    assert {res["world_size"] for res in results["init"]} == {world_size}
+
+
+def test_replicate_on_n_ranks(runs):
+    world_size, results = runs
+    assert results["replicate"] == [["ok"]] * world_size
+
+
+def test_shard_on_n_ranks(runs):
+    n, results = runs
     whole = torch.arange(4 * n * 3, dtype=torch.float32).reshape(4 * n, 3)
-    assert torch.equal(torch.cat([res["even"] for res in results]), whole)
+    assert_trees_equal(torch.cat([res["even"] for res in results["shard"]]), whole)
     total = 4 * n + 1
-    uneven = torch.cat([res["uneven"] for res in results])
-    assert torch.equal(uneven, torch.arange(total * 2).reshape(total, 2))
+    uneven = torch.cat([res["uneven"] for res in results["shard"]])
+    assert_trees_equal(uneven, torch.arange(total * 2).reshape(total, 2))
