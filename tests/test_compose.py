@@ -3,9 +3,11 @@ inside the compiled region) and fddp's transforms inside a user's torch.compile.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
-from _dist import run_ranks
+from _compare import assert_trees_close, assert_trees_equal
+from _dist import run_checks
 
 import fddp
 import fddp.optim as optim
@@ -53,12 +55,21 @@ def _compiled_around_the_step():
     return direct[0], compiled_loop[0], p, (direct[2], compiled_loop[2], loss)
 
 
-def test_torch_compile_around_a_data_parallel_step_equals_calling_it():
-    for direct, loop, step, losses in run_ranks(_compiled_around_the_step, 2, timeout=180):
-        for name in direct:
-            assert torch.equal(direct[name], loop[name]), name
-            assert torch.equal(direct[name], step[name]), name
-        assert torch.equal(losses[0], losses[1]) and torch.equal(losses[0], losses[2])
+@pytest.fixture(scope="module")
+def runs():
+    checks = {
+        "around_the_step": _compiled_around_the_step,
+        "scatter_gather_sync_bn": _scatter_gather_and_sync_bn_compiled,
+    }
+    return run_checks(checks, 2, timeout=180)
+
+
+def test_torch_compile_around_a_data_parallel_step_equals_calling_it(runs):
+    for direct, loop, step, losses in runs["around_the_step"]:
+        assert_trees_equal(loop, direct, "a compiled loop of steps")
+        assert_trees_equal(step, direct, "a compiled step")
+        assert_trees_equal(losses[1], losses[0], "the compiled loop's loss")
+        assert_trees_equal(losses[2], losses[0], "the compiled step's loss")
 
 
 def test_fddp_grad_optim_and_pmean_inside_a_users_fullgraph_compile_equal_eager():
@@ -72,8 +83,8 @@ def test_fddp_grad_optim_and_pmean_inside_a_users_fullgraph_compile_equal_eager(
     params, x = {"w": torch.randn(4, 3)}, torch.randn(5, 4)
     eager = f(params, opt.init(params), x)
     compiled = torch.compile(f, fullgraph=True)(params, opt.init(params), x)
-    torch.testing.assert_close(compiled[2], eager[2])
-    torch.testing.assert_close(compiled[0]["w"], eager[0]["w"])
+    assert_trees_close(compiled[2], eager[2], what="loss")
+    assert_trees_close(compiled[0], eager[0], what="params")
 
 
 def _scatter_gather_and_sync_bn_compiled():
@@ -102,12 +113,10 @@ def _scatter_gather_and_sync_bn_compiled():
     )
 
 
-def test_scatter_gather_and_sync_batch_norm_inside_a_users_fullgraph_compile_on_two_ranks():
+def test_scatter_gather_and_sync_batch_norm_inside_a_users_fullgraph_compile_on_two_ranks(runs):
     """On gloo these collectives are all-to-alls chosen from the axis, not from a group lookup
     Dynamo cannot trace."""
-    for eager, compiled, bn_eager, bn_compiled in run_ranks(
-        _scatter_gather_and_sync_bn_compiled, 2, timeout=180
-    ):
-        assert torch.equal(eager, 3 * torch.arange(8.0)) and torch.equal(compiled, eager)
-        for want, got in zip(bn_eager, bn_compiled):
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for eager, compiled, bn_eager, bn_compiled in runs["scatter_gather_sync_bn"]:
+        assert_trees_equal(eager, 3 * torch.arange(8.0), "all_gather(psum_scatter(x))")
+        assert_trees_equal(compiled, eager, "compiled")
+        assert_trees_close(bn_compiled, bn_eager, rtol=1e-4, atol=1e-4, what="sync BN grads")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
 import torch
-from _dist import run_ranks
+from _dist import run_checks
 from _models import mlp
 
 import fddp
@@ -56,7 +57,8 @@ def _overlaps(a: dict, b: dict) -> bool:
 
 def test_trace_is_chrome_json_with_overlapping_compute_and_comm(tmp_path):
     path = os.fspath(tmp_path / "trace.json")
-    overlapped = run_ranks(_record, 2, path, timeout=180)[0]
+    overlapped = run_checks({"record": functools.partial(_record, path)}, 2, timeout=180)
+    overlapped = overlapped["record"][0]
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     assert all({"ph", "pid", "name"} <= e.keys() for e in events)

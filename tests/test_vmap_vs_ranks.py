@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
+import pytest
 import torch
-from _dist import run_ranks
+from _compare import assert_trees_close, max_abs_diff
+from _dist import run_checks
 from _models import mlp, next_token_loss, tiny_decoder
 
 import fddp
@@ -61,19 +65,16 @@ def _make_step(loss_fn):
     return step, opt
 
 
-def _train_on_ranks() -> dict:
-    out = {}
-    for name, case in CASES.items():
-        model, loss_fn, batches = case()
-        step, opt = _make_step(loss_fn)
-        params, _ = fddp.state(model)
-        opt_state = opt.init(params)
-        pstep = fddp.data_parallel(step)
-        for i in range(STEPS):
-            local = {k: v[fddp.rank()] for k, v in batches(i).items()}
-            params, opt_state, loss = pstep(params, opt_state, local)
-        out[name] = (params, loss)
-    return out
+def _train_on_ranks(name: str) -> tuple[dict, torch.Tensor]:
+    model, loss_fn, batches = CASES[name]()
+    step, opt = _make_step(loss_fn)
+    params, _ = fddp.state(model)
+    opt_state = opt.init(params)
+    pstep = fddp.data_parallel(step)
+    for i in range(STEPS):
+        local = {k: v[fddp.rank()] for k, v in batches(i).items()}
+        params, opt_state, loss = pstep(params, opt_state, local)
+    return params, loss
 
 
 def _train_simulated(name: str) -> tuple[dict, torch.Tensor]:
@@ -87,19 +88,17 @@ def _train_simulated(name: str) -> tuple[dict, torch.Tensor]:
     return params, loss
 
 
-def test_vmap_matches_two_real_ranks():
-    ranks = run_ranks(_train_on_ranks, 2, timeout=240)
-    for name in CASES:
-        simulated, sim_loss = _train_simulated(name)
-        for rank_result in ranks:
-            params, loss = rank_result[name]
-            for key in params:
-                diff = (params[key] - simulated[key]).abs().max().item()
-                assert diff <= 1e-6, f"{name} {key}: max difference {diff:.2e}"
-            torch.testing.assert_close(loss, sim_loss, atol=1e-6, rtol=0)
-        moved = max(
-            (simulated[k] - fddp.state(CASES[name]()[0])[0][k]).abs().max() for k in simulated
-        )
-        assert moved > 1e-3, (
-            "the parameters must actually train for the comparison to mean anything"
-        )
+@pytest.fixture(scope="module")
+def ranks():
+    checks = {name: functools.partial(_train_on_ranks, name) for name in CASES}
+    return run_checks(checks, 2, timeout=240)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_vmap_matches_two_real_ranks(ranks, name):
+    simulated, sim_loss = _train_simulated(name)
+    for rank, (params, loss) in enumerate(ranks[name]):
+        assert_trees_close(params, simulated, rtol=0, atol=1e-6, what=f"{name}, rank {rank}")
+        assert_trees_close(loss, sim_loss, rtol=0, atol=1e-6, what=f"{name} loss, rank {rank}")
+    moved = max_abs_diff(simulated, fddp.state(CASES[name]()[0])[0])
+    assert moved > 1e-3, "the parameters must actually train for the comparison to mean anything"
