@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from _dist import run_ranks
+from _dist import run_checks
 from _models import mlp, next_token_loss, regression_batch, tiny_decoder, token_batch
 
 import fddp
@@ -288,45 +288,61 @@ def _init(opt, params, group):
     return fddp.data_parallel(lambda p: opt.init(p), group=group, trace=False)(params)
 
 
-def _on_three_ranks(tmp):
-    dist = torch.distributed
-    pair = dist.new_group([0, 1])
-    rank = dist.get_rank()
+@functools.cache
+def _pair():
+    """The group of ranks 0 and 1 (every rank creates it, once)."""
+    return torch.distributed.new_group([0, 1])
+
+
+def check_psum_scatter() -> float:
+    rank = torch.distributed.get_rank()
     total = sum(torch.arange(12.0).reshape(6, 2) * (r + 1) for r in range(3))
     mine = fddp.psum_scatter(torch.arange(12.0).reshape(6, 2) * (rank + 1), tiled=True)
     stacked = fddp.psum_scatter(torch.arange(6.0).reshape(3, 2) * (rank + 1))
     x = torch.ones(6, requires_grad=True)
     (fddp.psum_scatter(x, tiled=True) * (rank + 1)).sum().backward()
-    out = {
-        "psum_scatter": max(
-            (mine - total[2 * rank : 2 * rank + 2]).abs().max().item(),
-            (stacked - 6 * torch.arange(6.0).reshape(3, 2)[rank]).abs().max().item(),
-            (x.grad - torch.tensor([1.0, 1, 2, 2, 3, 3])).abs().max().item(),
-        )
-    }
-    worlds = {"3": dist.group.WORLD} | ({"2": pair} if rank < 2 else {})
+    return max(
+        (mine - total[2 * rank : 2 * rank + 2]).abs().max().item(),
+        (stacked - 6 * torch.arange(6.0).reshape(3, 2)[rank]).abs().max().item(),
+        (x.grad - torch.tensor([1.0, 1, 2, 2, 3, 3])).abs().max().item(),
+    )
+
+
+def check_sharded_equals_unsharded(world: str) -> dict | None:
+    """Every model and optimizer, sharded against unsharded, on the world or the pair."""
+    group = torch.distributed.group.WORLD if world == "3" else _pair()
+    if world == "2" and torch.distributed.get_rank() >= 2:
+        return None
+    out = {}
     runs = [(model, name, False) for model in ("mlp", "gpt") for name in OPTIMIZERS]
-    for world, group in worlds.items():
-        for model, name, trace in [*runs, ("gpt", "adamw", True)]:
-            setup, opt = SETUPS[model], _optimizers()[name]
-            want, _ = _train(group, setup, opt, False, steps=STEPS)
-            got, _ = _train(group, setup, opt, True, steps=STEPS, trace=trace)
-            if model == "gpt":
-                want, got = _without_key_bias(want), _without_key_bias(got)
-            out[f"{world} {model} {name}{' traced' * trace}"] = _max_diff(want, got)
-        params = _mlp_setup()[0]
-        sharded = optim.shard_state(optim.adamw(0.1), bucket_cap_mb=TINY_BUCKETS)
-        out[f"{world} bytes"] = (
-            optim.state_bytes(_init(sharded, params, group)),
-            optim.state_bytes(optim.adamw(0.1).init(params)),
-        )
-    # checkpoints: 2 ranks save at step 10, 3 load; 3 save, 2 load; both finish the 20 steps
+    for model, name, trace in [*runs, ("gpt", "adamw", True)]:
+        setup, opt = SETUPS[model], _optimizers()[name]
+        want, _ = _train(group, setup, opt, False, steps=STEPS)
+        got, _ = _train(group, setup, opt, True, steps=STEPS, trace=trace)
+        if model == "gpt":
+            want, got = _without_key_bias(want), _without_key_bias(got)
+        out[f"{model} {name}{' traced' * trace}"] = _max_diff(want, got)
+    params = _mlp_setup()[0]
+    sharded = optim.shard_state(optim.adamw(0.1), bucket_cap_mb=TINY_BUCKETS)
+    out["bytes"] = (
+        optim.state_bytes(_init(sharded, params, group)),
+        optim.state_bytes(optim.adamw(0.1).init(params)),
+    )
+    return out
+
+
+def check_checkpoints_across_world_sizes(tmp: str) -> dict:
+    """2 ranks save at step 10, 3 load; 3 save, 2 load; both finish the 20 steps."""
+    dist = torch.distributed
+    rank = dist.get_rank()
+    pair = _pair()
     opt = _optimizers()["clip_adamw"]
     pair_dir, world_dir = os.path.join(tmp, "from2"), os.path.join(tmp, "from3")
     if rank < 2:
         _train(pair, _mlp_setup, opt, True, steps=11, save_at=(pair_dir, 10))
     _train(dist.group.WORLD, _mlp_setup, opt, True, steps=11, save_at=(world_dir, 10))
     dist.barrier()
+    out = {}
     want3, _ = _train(dist.group.WORLD, _mlp_setup, opt, False, steps=STEPS)
     start = (pair_dir, 10)
     got3, _ = _train(dist.group.WORLD, _mlp_setup, opt, True, steps=STEPS, start=start, trace=True)
@@ -342,18 +358,44 @@ OPTIMIZERS = ("adam", "adamw", "sgd_momentum")
 SETUPS = {"mlp": _mlp_setup, "gpt": _gpt_setup}
 
 
-def test_on_two_and_three_gloo_ranks(tmp_path):
-    results = run_ranks(_on_three_ranks, 3, str(tmp_path), timeout=240)
-    for rank, out in enumerate(results):
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("zero"))
+    checks = {
+        "psum_scatter": check_psum_scatter,
+        "world of 3": functools.partial(check_sharded_equals_unsharded, "3"),
+        "world of 2": functools.partial(check_sharded_equals_unsharded, "2"),
+        "checkpoints": functools.partial(check_checkpoints_across_world_sizes, tmp),
+    }
+    return run_checks(checks, 3, timeout=240)
+
+
+def test_psum_scatter_on_three_gloo_ranks(three_ranks):
+    for rank, diff in enumerate(three_ranks["psum_scatter"]):
+        assert diff < TOL, (rank, diff)
+
+
+@pytest.mark.parametrize("world", ["3", "2"])
+def test_sharded_equals_unsharded_on_gloo_ranks(three_ranks, world):
+    n = int(world)
+    results = three_ranks[f"world of {world}"]
+    assert [out is None for out in results] == [False, False, n == 2]
+    for rank, out in enumerate(results[:n]):
         for key, value in out.items():
-            if key.endswith("bytes"):
+            if key == "bytes":
                 sharded, full = value
-                n = int(key.split()[0])
                 assert sharded < full / n * 1.1 + 400, (rank, key, value)
             else:
                 assert value < TOL, (rank, key, value)
+    print(results[0])
+
+
+def test_checkpoints_saved_on_two_ranks_load_on_three_and_back(three_ranks):
+    results = three_ranks["checkpoints"]
+    for rank, out in enumerate(results):
+        for key, value in out.items():
+            assert value < TOL, (rank, key, value)
     assert "3->2" in results[0] and "2->3" in results[2]
-    print({k: v for k, v in results[0].items()})
 
 
 def _compiled_on_two_ranks():
@@ -365,5 +407,5 @@ def _compiled_on_two_ranks():
 
 def test_compile_true_with_sharded_state_on_two_gloo_ranks():
     """Inductor runs the scheduled sharded step (all-to-alls included) to the unsharded result."""
-    for diff in run_ranks(_compiled_on_two_ranks, 2, timeout=240):
+    for diff in run_checks({"compiled": _compiled_on_two_ranks}, 2, timeout=240)["compiled"]:
         assert diff < TOL, diff
