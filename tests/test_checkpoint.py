@@ -1,19 +1,33 @@
-"""Tests for fddp.save / fddp.load: round trip, structure checks, atomicity, safe loading."""
+"""Tests for fddp.save / fddp.load: round trip, structure checks, atomicity, safe loading.
+
+Public API only: fddp.save and fddp.load, observed through what they do with the files and with
+torch.save (which fddp.save calls to write its payload: a spy on it shows which rank writes, a
+failing one a failed write). Rank 0 waits its fixed 10 s for the other ranks to enter a save
+(no public knob), so the 2-rank run starts in the background with this module's first test.
+"""
 
 from __future__ import annotations
 
+import builtins
 import enum
+import functools
+import io
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run_ranks
+from _compare import assert_trees_equal
+from _dist import run_checks
 
-from fddp import _checkpoint
-from fddp._checkpoint import load, save
+import fddp
+from fddp import load, save
+
+ARRIVAL_TIMEOUT_S = 10  # how long rank 0 waits for the others to enter a save
 
 
 class Mode(enum.IntEnum):
@@ -43,21 +57,6 @@ def make_tree(seed: int = 0) -> dict:
         "step": 100 + seed,
         "data": {"file": f"shard-{seed}.bin", "offset": 0.5 + seed, "done": bool(seed)},
     }
-
-
-def assert_trees_equal(a, b) -> None:
-    import optree
-
-    a_leaves, a_spec = optree.tree_flatten(a)
-    b_leaves, b_spec = optree.tree_flatten(b)
-    assert a_spec == b_spec
-    for x, y in zip(a_leaves, b_leaves):
-        assert type(x) is type(y)
-        if isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype
-            assert torch.equal(x, y)
-        else:
-            assert x == y
 
 
 def test_round_trip_nested_tree(tmp_path: Path) -> None:
@@ -205,20 +204,26 @@ class Malicious:
         return (_mark, (self.marker,))
 
 
-def test_weights_only_refuses_pickled_code(tmp_path: Path) -> None:
+def test_weights_only_refuses_pickled_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "ckpt.pt"
     marker = tmp_path / "pwned"
-    payload = {"format": "fddp.checkpoint", "version": 1, "structure": "*", "paths": ["<root>"]}
+    real_save = torch.save
+
+    def with_code(payload, f, *args, **kwargs):  # what fddp.save hands torch.save, poisoned
+        real_save({**payload, "leaves": [Malicious(str(marker))]}, f, *args, **kwargs)
+
     # A well-formed, correctly checksummed file whose payload carries a code-running object.
-    _checkpoint._write_atomic(str(path), {**payload, "leaves": [Malicious(str(marker))]})
+    monkeypatch.setattr(torch, "save", with_code)
+    save(path, torch.zeros(1))
+    monkeypatch.undo()
     with pytest.raises(ValueError, match=r"refusing to unpickle .*weights_only=True.*_mark"):
         load(path, like=torch.zeros(1))
     assert not marker.exists()
 
     # The payload is really malicious: a trusting unpickler runs it.
-    with open(path, "rb") as f:
-        f.seek(_checkpoint._HEADER.size)
-        torch.load(f, weights_only=False)
+    data = path.read_bytes()
+    payload = io.BytesIO(data[data.index(b"PK\x03\x04") :])  # torch.save's zip, after the header
+    torch.load(payload, weights_only=False)
     assert marker.exists()
 
 
@@ -231,16 +236,25 @@ def test_plain_torch_save_file_is_refused(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
-def _two_rank_worker(tmpdir: str) -> None:
+def _spy_on_torch_save(writers: list[int], fail: bool = False) -> None:
+    """Record this rank in ``writers`` whenever fddp.save writes (calls torch.save); with
+    ``fail``, fail instead, as a full disk would."""
+    real = getattr(torch.save, "real", torch.save)
+
+    def spy(obj, f, *args, **kwargs):
+        if fail:
+            raise OSError("No space left on device")
+        writers.append(dist.get_rank())
+        real(obj, f, *args, **kwargs)
+
+    spy.real = real
+    torch.save = spy
+
+
+def _check_only_rank0_writes(tmpdir: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    real_write = _checkpoint._write_atomic
-    writers = []
-
-    def spy(path: str, payload: dict) -> None:
-        writers.append(rank)
-        real_write(path, payload)
-
-    _checkpoint._write_atomic = spy
+    writers: list[int] = []
+    _spy_on_torch_save(writers)
     path = os.path.join(tmpdir, "ckpt.pt")
     # Rank-dependent values reveal whose copy the file holds.
     tree = {"w": torch.full((3,), float(rank)), "step": 5}
@@ -253,39 +267,30 @@ def _two_rank_worker(tmpdir: str) -> None:
     assert all_writers == [[0], []], all_writers
 
     # A failure on rank 0 is raised on every rank instead of leaving rank 1 waiting.
-    def disk_full(path: str, payload: dict) -> None:
-        raise OSError("No space left on device")
-
-    _checkpoint._write_atomic = disk_full if rank == 0 else spy
+    _spy_on_torch_save(writers, fail=rank == 0)
     expected = (OSError, "No space") if rank == 0 else (RuntimeError, "rank 0 failed")
     with pytest.raises(expected[0], match=expected[1]):
         save(path, {"w": torch.ones(3), "step": 6})
     assert load(path, like=tree)["step"] == 5
 
     # rank0_only=False: every rank writes its own file.
-    _checkpoint._write_atomic = real_write
+    torch.save = torch.save.real
     own = os.path.join(tmpdir, f"rank{rank}.pt")
     save(own, tree, rank0_only=False)
     assert torch.equal(load(own, like=tree)["w"], tree["w"])
     dist.barrier()
-    _save_on_rank0_only(tmpdir)
-    _save_after_a_peer_timed_out(tmpdir)  # last: it breaks the group
 
 
-def _save_on_rank0_only(tmpdir: str) -> None:
+def _check_save_on_rank0_only(tmpdir: str) -> None:
     """`if rank == 0: fddp.save(...)` fails fast on rank 0, and the group stays usable."""
-    import time
-
-    from fddp._runtime import RankFailureError
-
     rank = dist.get_rank()
-    _checkpoint._ARRIVAL_TIMEOUT_S = 1.0
     path = os.path.join(tmpdir, "misuse.pt")
     tree = {"w": torch.ones(3), "step": 1}
     if rank == 0:
-        with pytest.raises(ValueError, match=r"rank 1 did not call fddp\.save within 1 s") as info:
+        within = rf"rank 1 did not call fddp\.save within {ARRIVAL_TIMEOUT_S} s"
+        with pytest.raises(ValueError, match=within) as info:
             save(path, tree)
-        assert isinstance(info.value, RankFailureError)
+        assert isinstance(info.value, fddp.RankFailureError)
         assert "every rank calls fddp.save" in str(info.value)
         assert "rank0_only=False" in str(info.value)
         assert not os.path.exists(path)
@@ -303,40 +308,49 @@ def _save_on_rank0_only(tmpdir: str) -> None:
     # Both ranks agree on the next save again.
     save(path, tree)
     assert load(path, like=tree)["step"] == 1
-    _checkpoint._ARRIVAL_TIMEOUT_S = 10.0
 
 
-def _save_after_a_peer_timed_out(tmpdir: str) -> None:
-    """After a collective timed out, save raises RankFailureError, every time, on every rank."""
-    import datetime
-
-    from fddp._runtime import RankFailureError
-
+def _check_save_after_a_peer_timed_out(tmpdir: str) -> None:
+    """After a collective timed out, save raises RankFailureError, every time, on every rank.
+    Last: it breaks the group."""
     rank = dist.get_rank()
-    store = dist.distributed_c10d._get_default_store()
-    dist.distributed_c10d._get_default_group().set_timeout(datetime.timedelta(seconds=1))
+    fddp.init(timeout=1)  # applied to the existing group
+    timed_out = Path(tmpdir) / "timed-out"
     if rank == 0:
         with pytest.raises(RuntimeError, match="Timed out"):
             dist.all_reduce(torch.ones(1))  # rank 1 is stuck
-        store.set("test/timed-out", b"1")
+        timed_out.touch()
     else:
-        store.wait(["test/timed-out"])
+        while not timed_out.exists():
+            time.sleep(0.01)
         with pytest.raises(RuntimeError, match="Connection closed"):
             dist.all_reduce(torch.ones(1))
     path = os.path.join(tmpdir, "after-timeout.pt")
     for attempt in range(2):
-        with pytest.raises(RankFailureError, match=r"fddp\.save: a collective failed") as info:
+        with pytest.raises(fddp.RankFailureError, match=r"fddp\.save: a collective failed") as info:
             save(path, {"w": torch.ones(3)})
         assert "pair closure" in str(info.value) or "Connection closed" in str(info.value)
         print(f"rank {rank}: save {attempt}: {str(info.value).splitlines()[0]}")
     assert not os.path.exists(path)
 
 
-def test_two_ranks_only_rank0_writes(tmp_path: Path) -> None:
-    run_ranks(_two_rank_worker, 2, str(tmp_path))
-    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "misuse.pt", "rank0.pt", "rank1.pt"]
-    like = {"w": torch.zeros(3), "step": 0}
-    assert torch.equal(load(tmp_path / "rank1.pt", like=like)["w"], torch.ones(3))
+@pytest.fixture(scope="module", autouse=True)
+def _two_ranks_in_background(tmp_path_factory: pytest.TempPathFactory):
+    """Start the 2-rank run (mostly a wait: rank 0's arrival timeout) before the first test."""
+    tmp = str(tmp_path_factory.mktemp("two-ranks"))
+    checks = {
+        "only_rank0_writes": functools.partial(_check_only_rank0_writes, tmp),
+        "save_on_rank0_only": functools.partial(_check_save_on_rank0_only, tmp),
+        "after_a_timeout": functools.partial(_check_save_after_a_peer_timed_out, tmp),
+    }
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(run_checks, checks, 2, timeout=180), Path(tmp)
+
+
+@pytest.fixture
+def two_ranks(_two_ranks_in_background):
+    future, tmp = _two_ranks_in_background
+    return future.result(), tmp
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -397,14 +411,14 @@ def test_concurrent_saves_to_one_path(tmp_path: Path) -> None:
 
 _CHILD_WRITER = """
 import errno, resource, signal, sys, time, torch
-import fddp._checkpoint as ck
+import fddp
 
 # A write error from the kernel inside torch.save (which torch reports as 'unexpected pos'):
 # past a file-size limit, with SIGXFSZ ignored, writes fail with EFBIG, as with ENOSPC.
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (5000, resource.RLIM_INFINITY))
 try:
-    ck.save(sys.argv[1], {"w": torch.ones(10000)})
+    fddp.save(sys.argv[1], {"w": torch.ones(10000)})
 except OSError as e:
     print(errno.errorcode[e.errno], e.filename, flush=True)
 resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
@@ -416,7 +430,7 @@ def half_then_hang(obj, f, *args, **kwargs):
     time.sleep(600)
 
 torch.save = half_then_hang
-ck.save(sys.argv[1], {"w": torch.ones(3), "step": 1})
+fddp.save(sys.argv[1], {"w": torch.ones(3), "step": 1})
 """
 
 
@@ -463,7 +477,7 @@ def test_orphan_removal_spares_other_files(tmp_path: Path) -> None:
         (tmp_path / name).write_bytes(b"keep")
     save(path, make_tree())
     assert sorted(os.listdir(tmp_path)) == sorted(["ckpt.pt", empty.name, *others])
-    old = empty.stat().st_mtime - 2 * _checkpoint._FRESH_TEMP_S
+    old = empty.stat().st_mtime - 24 * 3600  # a day old: whatever the freshness window
     os.utime(empty, (old, old))
     save(path, make_tree())
     assert sorted(os.listdir(tmp_path)) == sorted(["ckpt.pt", *others])
@@ -500,17 +514,17 @@ def test_disk_full_is_an_oserror_naming_the_path(
 ) -> None:
     """ENOSPC during torch.save's writes (which torch turns into 'unexpected pos'), or during
     the final flush (room=10**9 is never used up: the fsync fails), is raised as that OSError."""
-    import builtins
     import errno
 
     path = tmp_path / "ckpt.pt"
     save(path, make_tree(seed=0))
     before = path.read_bytes()
+    real_open = builtins.open
 
     def full_disk_open(*args, **kwargs) -> _FullDisk:
-        return _FullDisk(builtins.open(*args, **kwargs), room)
+        return _FullDisk(real_open(*args, **kwargs), room)
 
-    monkeypatch.setattr(_checkpoint, "open", full_disk_open, raising=False)
+    monkeypatch.setattr(builtins, "open", full_disk_open)  # the file fddp.save writes to
     if room == 10**9:
 
         def fsync_fails(fd: int) -> None:
@@ -525,3 +539,24 @@ def test_disk_full_is_an_oserror_naming_the_path(
     assert "previous checkpoint" in str(info.value)
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+# --- the 2-rank run's results, last: the other tests ran while it did ---
+
+
+def test_two_ranks_only_rank0_writes(two_ranks) -> None:
+    results, tmp = two_ranks
+    assert results["only_rank0_writes"] == [None, None]
+    like = {"w": torch.zeros(3), "step": 0}
+    assert torch.equal(load(tmp / "rank1.pt", like=like)["w"], torch.ones(3))
+
+
+def test_two_ranks_save_under_if_rank_0_fails_fast_and_the_group_stays_usable(two_ranks) -> None:
+    results, _ = two_ranks
+    assert results["save_on_rank0_only"] == [None, None]
+
+
+def test_two_ranks_save_after_a_collective_timed_out_raises_every_time(two_ranks) -> None:
+    results, tmp = two_ranks
+    assert results["after_a_timeout"] == [None, None]
+    assert sorted(os.listdir(tmp)) == ["ckpt.pt", "misuse.pt", "rank0.pt", "rank1.pt", "timed-out"]
