@@ -2,22 +2,23 @@
 
 The outermost gradient is captured as ``loss.backward()`` runs it (no graph of the backward), so
 an LSTM keeps one forward and one backward kernel per layer instead of thousands of cell ops;
-gradients of gradients still trace the differentiable backward.
+gradients of gradients still trace the differentiable backward. Observed through the public
+API: a step's results, ``pstep.graph(*args)`` (the scheduled graph it runs) and
+``pstep.schedule(*args).captured_with``.
 """
 
 from __future__ import annotations
 
 import collections
-import inspect
+import sys
 
 import optree
 import torch
 import torch.nn.functional as F
+from _compare import assert_trees_close, assert_trees_equal
 from torch import nn
 
 import fddp
-from fddp._schedule._backend import direct_calls
-from fddp._schedule._capture import lower_to_aten, trace_with_make_fx
 
 
 def _lstm_model(
@@ -39,24 +40,22 @@ def _loss(model: nn.Module):
     return loss
 
 
-def _targets(captured) -> collections.Counter:
-    nodes = captured.graph.graph.nodes
-    return collections.Counter(str(n.target) for n in nodes if n.op == "call_function")
+def _targets(graph) -> collections.Counter:
+    return collections.Counter(str(n.target) for n in graph.graph.nodes if n.op == "call_function")
 
 
 def test_lstm_gradient_keeps_one_backward_kernel_per_layer_and_equals_eager_backward():
     model, params, x, target = _lstm_model()
-    captured = trace_with_make_fx(fddp.value_and_grad(_loss(model)), (params, x, target))
-    targets = _targets(captured)
+    pstep = fddp.data_parallel(fddp.value_and_grad(_loss(model)))
+    targets = _targets(pstep.graph(params, x, target))
     assert targets["aten.mkldnn_rnn_layer_backward.default"] == 2, targets
     assert sum(targets.values()) < 60, targets  # the cell loop over 6 steps would be ~900
-    loss, *grads = captured.graph(*optree.tree_leaves((params, x, target)))
+    loss, grads = pstep(params, x, target)
     expected_loss = _loss(model)(dict(model.named_parameters()), x, target)
     expected_loss.backward()
-    torch.testing.assert_close(loss, expected_loss.detach(), rtol=0, atol=0)
+    assert_trees_equal(loss, expected_loss.detach(), "loss")
     named = dict(model.named_parameters())
-    expected = optree.tree_leaves({k: named[k].grad for k in params})
-    torch.testing.assert_close(grads, expected, rtol=0, atol=0)
+    assert_trees_equal(grads, {k: named[k].grad for k in params}, "gradients")
 
 
 def test_gradient_of_a_gradient_through_an_lstm_matches_eager():
@@ -68,11 +67,9 @@ def test_gradient_of_a_gradient_through_an_lstm_matches_eager():
         return sum((v**2).sum() for v in g.values())
 
     step = fddp.grad(outer)
-    captured = trace_with_make_fx(step, (params, x, target))
-    got = captured.graph(*optree.tree_leaves((params, x, target)))
-    expected = optree.tree_leaves(step(params, x, target))
-    torch.testing.assert_close(got, expected)
-    assert any(v.abs().sum() > 0 for v in got)
+    got = fddp.data_parallel(step)(params, x, target)
+    assert_trees_close(got, step(params, x, target))
+    assert any(v.abs().sum() > 0 for v in got.values())
 
 
 def test_vjp_function_called_inside_a_gradient_is_still_differentiated():
@@ -87,22 +84,16 @@ def test_vjp_function_called_inside_a_gradient_is_still_differentiated():
         return g.sum()
 
     step = torch.func.grad(loss)
-    captured = trace_with_make_fx(step, (w,))
-    (got,) = captured.graph(w)
-    torch.testing.assert_close(got, step(w))
+    got = fddp.data_parallel(step)(w)
+    assert_trees_close(got, step(w))
     assert got.abs().sum() > 0
 
 
-def _dynamo_then_aten(fn, *args):
-    """Capture ``fn`` with Dynamo and lower its graph to aten as the Dynamo capture path does."""
-    lowered = []
-
-    def backend(gm, example_inputs):
-        lowered.append(lower_to_aten(gm, example_inputs))
-        return gm.forward
-
-    torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    return lowered[0]
+def _only_dynamo_can_trace(x: torch.Tensor) -> None:
+    """Branch on a tensor value unless Dynamo traces (as Hugging Face's mask code does): make_fx
+    stops here, so data_parallel captures the step with Dynamo."""
+    if not torch.compiler.is_compiling() and bool(x.sum() > 1e9):
+        raise AssertionError("unreachable")
 
 
 def test_dynamo_path_first_and_second_order_gradients_match_eager():
@@ -110,24 +101,48 @@ def test_dynamo_path_first_and_second_order_gradients_match_eager():
     w, x = torch.randn(4, 4), torch.randn(3, 4)
 
     def loss(w, x):
+        _only_dynamo_can_trace(x)
         return torch.tanh(x @ w).pow(2).sum()
 
     first = torch.func.grad(loss)
     second = torch.func.grad(lambda w, x: first(w, x).sin().sum())
     for fn in (first, second):
-        (got,) = _dynamo_then_aten(fn, w, x)(w, x)
-        torch.testing.assert_close(got, fn(w, x))
+        pstep = fddp.data_parallel(fn)
+        for _ in range(2):  # the first call runs through Dynamo, the second the graph alone
+            assert_trees_close(pstep(w, x), fn(w, x))
+        assert pstep.schedule(w, x).captured_with == "dynamo"
 
 
-def test_direct_calls_run_the_graph_without_operator_wrappers_and_give_the_same_tensors():
+def _operator_wrapper_calls(fn, *args):
+    """``fn(*args)``'s result, and how many times a graph's ``forward`` called an operator
+    through its Python wrapper (``OpOverload.__call__``) meanwhile."""
+    wrapper = torch._ops.OpOverload.__call__.__code__
+    calls = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is wrapper and frame.f_back.f_code.co_name == "forward":
+            calls.append(1)
+
+    sys.setprofile(profile)
+    try:
+        out = fn(*args)
+    finally:
+        sys.setprofile(None)
+    return out, len(calls)
+
+
+def test_the_graph_runs_without_operator_wrappers_and_gives_the_same_tensors():
     model, params, x, target = _lstm_model(dim=4, layers=1, steps=3)
-    captured = trace_with_make_fx(fddp.value_and_grad(_loss(model)), (params, x, target))
-    gm = captured.graph
-    forward = direct_calls(gm)
+    pstep = fddp.data_parallel(fddp.value_and_grad(_loss(model)))
+    pstep(params, x, target)  # compiled; the next call only runs the graph
+    gm = pstep.graph(params, x, target)
     inputs = optree.tree_leaves((params, x, target))
-    assert "torch.ops." not in inspect.getsource(forward.func)
-    for got, expected in zip(forward(*inputs), gm(*inputs), strict=True):
-        assert torch.equal(got, expected)
+    assert len([n for n in gm.graph.nodes if n.op == "placeholder"]) == len(inputs)
+    expected, through_wrappers = _operator_wrapper_calls(gm, *inputs)  # FX's own forward
+    assert through_wrappers > 10  # what the probe sees when the wrappers are called
+    got, wrapped = _operator_wrapper_calls(pstep, params, x, target)
+    assert wrapped == 0
+    assert_trees_equal(optree.tree_leaves(got), list(expected), "the step vs its graph")
 
 
 def test_compile_true_gets_the_differentiable_lstm_backward_inductor_can_compile():
@@ -143,7 +158,6 @@ def test_compile_true_gets_the_differentiable_lstm_backward_inductor_can_compile
     eager = fddp.data_parallel(step, trace=False)(params, x, target)
     pstep = fddp.data_parallel(step, compile=True)
     compiled = pstep(params, x, target)
-    for name in params:
-        torch.testing.assert_close(compiled[0][name], eager[0][name], rtol=1e-5, atol=1e-6)
+    assert_trees_close(compiled[0], eager[0], rtol=1e-5, atol=1e-6, what="params")
     targets = {str(n.target) for n in pstep.graph(params, x, target).graph.nodes}
     assert not any("mkldnn_rnn_layer_backward" in t for t in targets)
