@@ -159,22 +159,26 @@ def _buckets_needed(graph: fx.Graph) -> dict[fx.Node, int]:
     """
     wait_index = _wait_index(graph)
     need: dict[fx.Node, int] = {}
+    list_args: dict[fx.Node, list[int]] = {}  # of each foreach op, found once
     for node in graph.nodes:
         if node.op == "call_function" and node.target is operator.getitem:
             source, i = node.args
-            if _is_foreach(source):
-                need[node] = max(_element_need(source, i, need), need.get(source, NO_BUCKET))
+            if source in list_args:
+                element = _element_need(source, i, need, list_args[source])
+                need[node] = max(element, need.get(source, NO_BUCKET))
                 continue
         inputs = [need[a] for a in node.all_input_nodes]
         if _is_foreach(node):
-            lists = {id(x) for j in _list_args(node) for x in node.args[j]}
+            list_args[node] = _list_args(node)
+            lists = {id(x) for j in list_args[node] for x in node.args[j]}
             inputs = [need[a] for a in node.all_input_nodes if id(a) not in lists]
         need[node] = max([wait_index.get(node, NO_BUCKET), *inputs])
     return need
 
 
-def _element_need(node: fx.Node, i: int, need: dict[fx.Node, int]) -> int:
-    return max(need[cast("list[fx.Node]", node.args[j])[i]] for j in _list_args(node))
+def _element_need(node: fx.Node, i: int, need: dict[fx.Node, int], lists: list[int]) -> int:
+    """The need of element ``i`` of foreach op ``node``, whose list arguments are ``lists``."""
+    return max(need[cast("list[fx.Node]", node.args[j])[i]] for j in lists)
 
 
 def split_foreach(graph: fx.Graph) -> int:
@@ -192,7 +196,7 @@ def split_foreach(graph: fx.Graph) -> int:
             continue
         groups: dict[int, list[int]] = {}
         for i in range(length):
-            groups.setdefault(_element_need(node, i, need), []).append(i)
+            groups.setdefault(_element_need(node, i, need, lists), []).append(i)
         if len(groups) < 2:
             continue
         getitems = {u.args[1]: u for u in node.users if u.target is operator.getitem}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
@@ -111,20 +111,21 @@ class Compiled:
         """Which output leaves vary across ranks, given which tensor arguments do: output leaf
         -> the path of a per-rank argument leaf it is computed from without a collective in
         between (or :data:`RANK_SOURCE`)."""
-        program, outputs = self.program, self.captured.outputs
+        program, outputs, inputs = self.program, self.captured.outputs, self.captured.inputs
         assert outputs is not None  # known after the first call
+        per_rank = 0  # a bit per placeholder that holds a varying argument
+        for k, s in enumerate(inputs):
+            if isinstance(s, int) and varying[s]:
+                per_rank |= 1 << k
         sources = {}
         for j, (kind, v) in enumerate(outputs):
-            source = None
             if kind == "arg" and varying[v]:
-                source = tensor_paths[v]
+                sources[j] = tensor_paths[v]
             elif kind == "graph":
                 bits = program.output_dependencies[v]
                 if bits & program.rank_bit:
-                    source = RANK_SOURCE
-                for k, s in enumerate(self.captured.inputs):
-                    if source is None and bits >> k & 1 and isinstance(s, int) and varying[s]:
-                        source = tensor_paths[s]
-            if source is not None:
-                sources[j] = source
+                    sources[j] = RANK_SOURCE
+                elif bits & per_rank:
+                    first = (bits & per_rank & -(bits & per_rank)).bit_length() - 1
+                    sources[j] = tensor_paths[cast(int, inputs[first])]
         return sources
