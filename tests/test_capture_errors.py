@@ -5,15 +5,11 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from _models import mlp
 from torch import nn
 
 import fddp
 from fddp import CaptureError, PrintWhileTracingWarning
-
-
-def _mlp(features: int = 32) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(features, 8), nn.Tanh(), nn.Linear(8, 1))
 
 
 def _sgd_step(loss_fn):
@@ -33,7 +29,7 @@ def _first_lines(error: BaseException, n: int) -> list[str]:
 
 
 def test_module_passed_as_params_names_fddp_state_first():
-    model = _mlp()
+    model = mlp((32, 8, 1))
     step = _sgd_step(lambda p, x, y: F.mse_loss(fddp.functional(model)(p, {}, x), y))
     with pytest.raises(CaptureError) as info:
         step(model, torch.randn(4, 32), torch.randn(4, 1))
@@ -52,7 +48,7 @@ def test_grad_of_a_module_is_type_error_naming_fddp_state():
 
 
 def test_shape_error_is_one_capture_error_with_the_models_message_and_where(capfd):
-    model = _mlp(32)
+    model = mlp((32, 8, 1))
     params, buffers = fddp.state(model)
     apply = fddp.functional(model)
 

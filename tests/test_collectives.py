@@ -5,6 +5,7 @@ import collections
 import optree
 import pytest
 import torch
+from _compare import assert_trees_close, assert_trees_equal
 from _dist import run_checks
 
 import fddp
@@ -32,18 +33,6 @@ def _float_part(tree: dict) -> dict:
     return {k: v for k, v in tree.items() if k != "i64"}
 
 
-def _assert_close_tree(actual, expected, exact: bool = False) -> None:
-    a_leaves, a_spec = optree.tree_flatten(actual)
-    e_leaves, e_spec = optree.tree_flatten(expected)
-    assert a_spec == e_spec
-    for a, e in zip(a_leaves, e_leaves):
-        assert a.dtype == e.dtype and a.shape == e.shape
-        if exact or not e.is_floating_point():
-            assert torch.equal(a, e)
-        else:
-            torch.testing.assert_close(a, e)
-
-
 def _reference(fn, trees: list):
     return optree.tree_map(lambda *xs: fn(list(xs)), *trees)
 
@@ -54,16 +43,16 @@ def _reference(fn, trees: list):
 def test_world_of_one_collectives_are_the_identity():
     tree = _inputs(0)
     before = optree.tree_map(torch.clone, tree)
-    _assert_close_tree(fddp.psum(tree), tree, exact=True)
-    _assert_close_tree(fddp.pmean(_float_part(tree)), _float_part(tree), exact=True)
-    _assert_close_tree(fddp.broadcast(tree), tree, exact=True)
-    _assert_close_tree(fddp.all_gather(tree), optree.tree_map(lambda x: x[None], tree), exact=True)
+    assert_trees_equal(fddp.psum(tree), tree)
+    assert_trees_equal(fddp.pmean(_float_part(tree)), _float_part(tree))
+    assert_trees_equal(fddp.broadcast(tree), tree)
+    assert_trees_equal(fddp.all_gather(tree), optree.tree_map(lambda x: x[None], tree))
     tiled = {"f32": tree["f32"], "i64": tree["i64"]}
-    _assert_close_tree(fddp.all_gather(tiled, tiled=True), tiled, exact=True)
+    assert_trees_equal(fddp.all_gather(tiled, tiled=True), tiled)
     assert fddp.axis_size() == 1
     index = fddp.axis_index()
     assert index.dtype == torch.int64 and index.shape == () and index.item() == 0
-    _assert_close_tree(tree, before, exact=True)
+    assert_trees_equal(tree, before)
 
 
 def test_world_of_one_psum_is_differentiable():
@@ -121,23 +110,21 @@ def _check_values() -> None:
     mine = _inputs(r)
     before = optree.tree_map(torch.clone, mine)
 
-    _assert_close_tree(fddp.psum(mine), _reference(sum, trees))
+    assert_trees_close(fddp.psum(mine), _reference(sum, trees))
     floats = [_float_part(t) for t in trees]
-    _assert_close_tree(fddp.pmean(_float_part(mine)), _reference(lambda xs: sum(xs) / n, floats))
-    _assert_close_tree(fddp.all_gather(mine), _reference(torch.stack, trees), exact=True)
+    assert_trees_close(fddp.pmean(_float_part(mine)), _reference(lambda xs: sum(xs) / n, floats))
+    assert_trees_equal(fddp.all_gather(mine), _reference(torch.stack, trees))
     no_scalar = [{"f32": t["f32"], "i64": t["i64"], "f64": t["f64"]} for t in trees]
-    _assert_close_tree(
-        fddp.all_gather(no_scalar[r], tiled=True), _reference(torch.cat, no_scalar), exact=True
-    )
+    assert_trees_equal(fddp.all_gather(no_scalar[r], tiled=True), _reference(torch.cat, no_scalar))
     for src in {0, 1, n - 1}:
-        _assert_close_tree(fddp.broadcast(mine, src=src), trees[src], exact=True)
+        assert_trees_equal(fddp.broadcast(mine, src=src), trees[src])
     with pytest.raises(ValueError, match=f"src={n}"):
         fddp.broadcast(mine, src=n)
 
     index = fddp.axis_index()
     assert index.dtype == torch.int64 and index.shape == () and index.item() == r
     assert fddp.axis_size() == n
-    _assert_close_tree(mine, before, exact=True)  # no collective mutates its input
+    assert_trees_equal(mine, before)  # no collective mutates its input
 
 
 def _check_several_buckets() -> None:
@@ -157,7 +144,7 @@ def _check_several_buckets() -> None:
     _collectives.funcol.all_reduce = lambda *a, **k: calls.append(a) or all_reduce(*a, **k)
     try:
         # One all_reduce for the whole tree while it fits in a bucket of one dtype...
-        _assert_close_tree(
+        assert_trees_close(
             fddp.psum(tree(r)[-2:]), _reference(sum, [tree(k)[-2:] for k in range(n)])
         )
         assert len(calls) == 1
@@ -168,7 +155,7 @@ def _check_several_buckets() -> None:
         try:
             buckets = _collectives._eager_buckets(tree(r))
             assert len(buckets) >= 20
-            _assert_close_tree(fddp.psum(tree(r)), _reference(sum, [tree(k) for k in range(n)]))
+            assert_trees_close(fddp.psum(tree(r)), _reference(sum, [tree(k) for k in range(n)]))
             assert len(calls) == len(buckets)
         finally:
             _collectives.EAGER_BUCKET_BYTES = saved

@@ -6,6 +6,7 @@ import optree
 import optree.dataclasses
 import pytest
 import torch
+from _compare import assert_trees_close
 from optree.registry import __GLOBAL_NAMESPACE as GLOBAL_NAMESPACE
 
 import fddp
@@ -47,8 +48,7 @@ def _ref_grads(f, leaves: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.
     return value.detach(), list(torch.autograd.grad(value, xs))
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> None:
-    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+TOL = {"rtol": 1e-12, "atol": 1e-12}
 
 
 def test_value_and_grad_dict_matches_autograd():
@@ -63,13 +63,12 @@ def test_value_and_grad_dict_matches_autograd():
     ref_value, ref = _ref_grads(
         lambda w1, b1, w2: f({"w1": w1, "b1": b1, "w2": w2}), [*params.values()]
     )
-    _close(value, ref_value)
+    assert_trees_close(value, ref_value, **TOL)
     assert list(grads) == ["w1", "b1", "w2"]
-    for g, r in zip(grads.values(), ref):
-        _close(g, r)
+    assert_trees_close(grads, dict(zip(grads, ref, strict=True)), **TOL, what="gradients")
     assert fddp.grad(f)(params).keys() == grads.keys()
     for k in grads:
-        _close(fddp.grad(f)(params)[k], grads[k])
+        assert_trees_close(fddp.grad(f)(params)[k], grads[k], **TOL)
 
 
 def test_grad_does_not_modify_inputs_and_returns_plain_tensors():
@@ -78,7 +77,7 @@ def test_grad_does_not_modify_inputs_and_returns_plain_tensors():
     grads = fddp.grad(lambda p: (p["w"] ** 3).sum())(params)
     assert torch.equal(params["w"], before)
     assert not params["w"].requires_grad
-    _close(grads["w"], 3 * before**2)
+    assert_trees_close(grads["w"], 3 * before**2, **TOL)
     assert grads["w"].grad_fn is None
 
 
@@ -89,14 +88,14 @@ def test_argnums_int_tuple_and_negative():
         return (a * b * c.exp()).sum()
 
     _, (ga, gb, gc) = _ref_grads(f, [a, b, c])
-    _close(fddp.grad(f, argnums=1)(a, b, c), gb)
+    assert_trees_close(fddp.grad(f, argnums=1)(a, b, c), gb, **TOL)
     g = fddp.grad(f, argnums=(0, 2))(a, b, c)
     assert isinstance(g, tuple) and len(g) == 2
-    _close(g[0], ga)
-    _close(g[1], gc)
+    assert_trees_close(g[0], ga, **TOL)
+    assert_trees_close(g[1], gc, **TOL)
     (g1,) = fddp.grad(f, argnums=(1,))(a, b, c)  # a one-element sequence still gives a tuple
-    _close(g1, gb)
-    _close(fddp.grad(f, argnums=-1)(a, b, c), gc)
+    assert_trees_close(g1, gb, **TOL)
+    assert_trees_close(fddp.grad(f, argnums=-1)(a, b, c), gc, **TOL)
 
 
 def test_argnums_out_of_range_is_value_error():
@@ -110,7 +109,7 @@ def test_kwargs_and_non_differentiated_args_pass_through():
         return (p["w"] * scale * meta["step"]).sum()
 
     g = fddp.grad(f)({"w": _rand(4)}, {"step": 3, "name": "x"}, scale=2.0)
-    _close(g["w"], torch.full((4,), 6.0, dtype=torch.float64))
+    assert_trees_close(g["w"], torch.full((4,), 6.0, dtype=torch.float64), **TOL)
 
 
 def test_has_aux_with_non_tensor_aux():
@@ -121,15 +120,15 @@ def test_has_aux_with_non_tensor_aux():
         return loss, {"loss": loss, "label": "train", "count": 3, "none": None, "t": w * 2}
 
     (value, aux), g = fddp.value_and_grad(f, has_aux=True)(w)
-    _close(value, (w**2).sum())
-    _close(g, 2 * w)
+    assert_trees_close(value, (w**2).sum(), **TOL)
+    assert_trees_close(g, 2 * w, **TOL)
     assert aux["label"] == "train" and aux["count"] == 3 and aux["none"] is None
-    _close(aux["loss"], value)
-    _close(aux["t"], w * 2)
+    assert_trees_close(aux["loss"], value, **TOL)
+    assert_trees_close(aux["t"], w * 2, **TOL)
     assert not aux["t"].requires_grad
 
     g2, aux2 = fddp.grad(f, has_aux=True)(w)
-    _close(g2, 2 * w)
+    assert_trees_close(g2, 2 * w, **TOL)
     assert aux2["label"] == "train"
 
 
@@ -166,15 +165,14 @@ def test_pytree_kinds_namedtuple_list_tuple_none_dataclass_custom_node():
 
     leaves, spec = optree.tree_flatten(tree)
     _, ref = _ref_grads(lambda *ls: f(optree.tree_unflatten(spec, list(ls))), leaves)
-    for g, r in zip(optree.tree_leaves(grads), ref):
-        _close(g, r)
+    assert_trees_close(grads, optree.tree_unflatten(spec, list(ref)), **TOL, what="gradients")
 
 
 def test_second_derivative_by_nesting():
     x = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
     g = fddp.grad(lambda x: (x**3).sum())
     gg = fddp.grad(lambda x: g(x).sum())(x)
-    _close(gg, 6 * x)
+    assert_trees_close(gg, 6 * x, **TOL)
 
 
 def test_int_leaf_is_type_error_naming_its_path():
@@ -266,7 +264,6 @@ def test_empty_containers_in_arguments_aux_and_outputs(name, path):
         out = traced(w, empty, x)
         assert optree.tree_structure(out) == optree.tree_structure(expected)
         assert type(out[4]) is type(empty) and type(out[3][1]["empty"]) is type(empty)
-        for a, b in zip(optree.tree_leaves(out), optree.tree_leaves(expected)):
-            torch.testing.assert_close(a, b)
+        assert_trees_close(out, expected, what="traced vs trace=False")
     assert traced.schedule(w, empty, x).captured_with == path
     assert traced.retraces == 0

@@ -4,14 +4,13 @@ import copy
 
 import pytest
 import torch
+from _compare import assert_trees_close, assert_trees_equal
+from _models import mlp
 from torch import nn
 
 import fddp
 
-
-def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+MLP_SIZES = (6, 8, 3)
 
 
 class TiedLM(nn.Module):
@@ -40,12 +39,6 @@ class BNNet(nn.Module):
 
 def _clone_tree(tree: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in tree.items()}
-
-
-def _assert_tree_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
 
 
 # --- state -----------------------------------------------------------------------------------
@@ -78,7 +71,7 @@ def test_state_tied_weight_appears_once():
 
 
 def test_functional_matches_module_call():
-    model = _mlp()
+    model = mlp(MLP_SIZES)
     params, buffers = fddp.state(model)
     apply = fddp.functional(model)
     x = torch.randn(5, 6)
@@ -86,7 +79,7 @@ def test_functional_matches_module_call():
 
 
 def test_functional_uses_given_params_not_the_modules():
-    model = _mlp()
+    model = mlp(MLP_SIZES)
     params, buffers = fddp.state(model)
     new = {k: v + 0.5 * torch.randn_like(v) for k, v in params.items()}
     ref_model = copy.deepcopy(model)
@@ -95,7 +88,7 @@ def test_functional_uses_given_params_not_the_modules():
     x = torch.randn(5, 6)
     out = fddp.functional(model)(new, buffers, x)
     torch.testing.assert_close(out, ref_model(x), rtol=0, atol=0)
-    _assert_tree_equal(dict(model.state_dict()), before)
+    assert_trees_equal(dict(model.state_dict()), before)
 
 
 def test_functional_passes_kwargs():
@@ -107,7 +100,7 @@ def test_functional_passes_kwargs():
 
 
 def test_functional_gradient_matches_autograd():
-    model = _mlp()
+    model = mlp(MLP_SIZES)
     params, buffers = fddp.state(model)
     apply = fddp.functional(model)
     x, y = torch.randn(9, 6), torch.randn(9, 3)
@@ -119,9 +112,8 @@ def test_functional_gradient_matches_autograd():
     ref_loss = nn.functional.mse_loss(model(x), y)
     names = [n for n, _ in model.named_parameters()]
     ref = torch.autograd.grad(ref_loss, list(model.parameters()))
-    torch.testing.assert_close(loss, ref_loss.detach())
-    for name, g in zip(names, ref):
-        torch.testing.assert_close(grads[name], g, msg=name)
+    assert_trees_close(loss, ref_loss.detach(), what="loss")
+    assert_trees_close(grads, dict(zip(names, ref, strict=True)), what="gradients")
 
 
 def test_functional_rejects_non_module():
@@ -184,13 +176,13 @@ def test_batchnorm_train_updates_buffers_functionally():
         out, b = apply(params, b, x)
         ref_out = ref_model(x)
         torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
-        _assert_tree_equal(b, dict(ref_model.named_buffers()))
+        assert_trees_equal(b, dict(ref_model.named_buffers()))
     assert int(b["bn.num_batches_tracked"]) == 3
     assert not torch.equal(b["bn.running_mean"], passed_before["bn.running_mean"])
 
     # Neither the module nor the buffers passed in were touched.
-    _assert_tree_equal(dict(model.named_buffers()), module_before)
-    _assert_tree_equal(buffers, passed_before)
+    assert_trees_equal(dict(model.named_buffers()), module_before)
+    assert_trees_equal(buffers, passed_before)
 
 
 def test_batchnorm_without_return_buffers_returns_output_only():
@@ -201,8 +193,8 @@ def test_batchnorm_without_return_buffers_returns_output_only():
     out = fddp.functional(model)(params, buffers, x)
     assert isinstance(out, torch.Tensor)
     torch.testing.assert_close(out, copy.deepcopy(model)(x), rtol=0, atol=0)
-    _assert_tree_equal(buffers, before)
-    _assert_tree_equal(dict(model.named_buffers()), before)
+    assert_trees_equal(buffers, before)
+    assert_trees_equal(dict(model.named_buffers()), before)
 
 
 def test_batchnorm_mode_is_read_at_each_call():
@@ -220,7 +212,7 @@ def test_batchnorm_mode_is_read_at_each_call():
     x = torch.randn(6, 5)
     out, new_buffers = apply(params, buffers, x)
     torch.testing.assert_close(out, ref_model(x), rtol=0, atol=0)
-    _assert_tree_equal(new_buffers, buffers)  # eval mode: running statistics are used, not updated
+    assert_trees_equal(new_buffers, buffers)  # eval mode: running statistics are used, not updated
 
 
 def test_batchnorm_gradient_and_buffers_through_value_and_grad():
@@ -238,7 +230,7 @@ def test_batchnorm_gradient_and_buffers_through_value_and_grad():
     ref_model = copy.deepcopy(model)
     ref_loss = ref_model(x).square().mean()
     ref = torch.autograd.grad(ref_loss, list(ref_model.parameters()))
-    torch.testing.assert_close(loss, ref_loss.detach())
-    for (name, _), g in zip(ref_model.named_parameters(), ref):
-        torch.testing.assert_close(grads[name], g, msg=name)
-    _assert_tree_equal(new_buffers, dict(ref_model.named_buffers()))
+    assert_trees_close(loss, ref_loss.detach(), what="loss")
+    names = [name for name, _ in ref_model.named_parameters()]
+    assert_trees_close(grads, dict(zip(names, ref, strict=True)), what="gradients")
+    assert_trees_equal(new_buffers, dict(ref_model.named_buffers()), "new buffers")

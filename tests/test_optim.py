@@ -6,6 +6,8 @@ import math
 import optree
 import pytest
 import torch
+from _compare import assert_trees_equal
+from _models import mlp
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -14,10 +16,7 @@ import fddp.optim as optim
 STEPS = 20
 TOL = 1e-6
 
-
-def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+MLP_SIZES = (8, 16, 4)
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,7 +29,7 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _train_torch(make_opt, clip: float | None = None) -> dict[str, torch.Tensor]:
-    model = _mlp()
+    model = mlp(MLP_SIZES)
     opt = make_opt(model.parameters())
     x, y = _data()
     for _ in range(STEPS):
@@ -43,7 +42,7 @@ def _train_torch(make_opt, clip: float | None = None) -> dict[str, torch.Tensor]
 
 
 def _train_fddp(opt: optim.GradientTransformation) -> dict[str, torch.Tensor]:
-    model = _mlp()
+    model = mlp(MLP_SIZES)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     x, y = _data()
 
@@ -68,7 +67,7 @@ def _assert_close(ours: dict, ref: dict) -> None:
         diff = (ours[k] - ref[k]).abs().max().item()
         assert diff <= TOL, f"{k}: max abs diff {diff}"
     # the run must actually have moved the parameters, or the comparison says nothing
-    start = dict(_mlp().named_parameters())
+    start = dict(mlp(MLP_SIZES).named_parameters())
     assert any((ref[k] - start[k]).abs().max() > 1e-3 for k in ref)
 
 
@@ -185,15 +184,14 @@ def test_pure_and_state_is_tensor_pytree(name):
         before = [optree.tree_map(torch.clone, t) for t in (params, grads, state)]
         updates, new_state = opt.update(grads, state, params)
         new_params = optim.apply_updates(params, updates)
-        for t, b in zip((params, grads, state), before, strict=True):
-            assert optree.tree_all(optree.tree_map(torch.equal, t, b))
+        assert_trees_equal([params, grads, state], before, "the arguments of update")
         state, params = new_state, new_params
 
     assert all(isinstance(leaf, torch.Tensor) for leaf in optree.tree_leaves(state))
     assert optree.tree_structure(new_params) == optree.tree_structure(_tree())
     assert new_params["pair"].b[1] is None
     for new, old in zip(optree.tree_leaves(new_params), optree.tree_leaves(_tree()), strict=True):
-        assert new.dtype == old.dtype and new.shape == old.shape
+        assert new.dtype == old.dtype and new.shape == old.shape  # the structure is asserted above
         assert torch.isfinite(new).all()
 
 
@@ -257,5 +255,4 @@ def test_tensor_scalar_acts_like_python_float():
     plain = optim.scale_by_learning_rate(lr)
     got = ours.update(tree, ours.init(tree))[0]
     expected = plain.update(tree, plain.init(tree))[0]
-    for g, e in zip(got, expected, strict=True):
-        assert g.dtype == e.dtype and torch.equal(g, e)
+    assert_trees_equal(got, expected, "a scheduled learning rate vs the float")

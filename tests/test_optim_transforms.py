@@ -13,7 +13,8 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from _compare import assert_trees_equal
+from _models import mlp
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fddp
@@ -24,12 +25,6 @@ STEPS = 10
 TOL = 1e-6
 SIZES = (6, 16, 3)
 BATCH = 8
-
-
-def _mlp(seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
-    torch.manual_seed(seed)
-    layers = nn.Linear(SIZES[0], SIZES[1]), nn.Tanh(), nn.Linear(SIZES[1], SIZES[2])
-    return nn.Sequential(*layers).to(dtype)
 
 
 def _batches(members: int, steps: int = STEPS, dtype=torch.float32) -> list[tuple]:
@@ -45,15 +40,11 @@ def _batches(members: int, steps: int = STEPS, dtype=torch.float32) -> list[tupl
     ]
 
 
-BASE = copy.deepcopy(_mlp(0)).to("meta")
+BASE = copy.deepcopy(mlp(SIZES, seed=0)).to("meta")
 
 
 def _loss(params, x, y):
     return F.mse_loss(torch.func.functional_call(BASE, params, (x,)), y)
-
-
-def _tree_equal(a, b) -> bool:
-    return optree.tree_all(optree.tree_map(torch.equal, a, b))
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -100,7 +91,7 @@ ENSEMBLE_CASES = {
 
 
 def _train_torch(member: int, make_opt, clip: float | None, batches) -> dict[str, torch.Tensor]:
-    model = _mlp(member)
+    model = mlp(SIZES, seed=member)
     opt = make_opt(model.parameters())
     for x, y in batches:
         opt.zero_grad()
@@ -121,7 +112,7 @@ def _member_step(opt):
 
 
 def _train_ensemble(opt, batches) -> tuple[dict, object]:
-    params, _ = torch.func.stack_module_state([_mlp(i) for i in range(MEMBERS)])
+    params, _ = torch.func.stack_module_state([mlp(SIZES, seed=i) for i in range(MEMBERS)])
     params = {k: v.detach() for k, v in params.items()}
     state = torch.func.vmap(opt.init)(params)
     step = torch.func.vmap(_member_step(opt))
@@ -139,7 +130,7 @@ def test_vmap_ensemble_matches_torch_optim_per_member(name):
         ref = _train_torch(i, theirs, clip, batches)
         member = {k: v[i] for k, v in params.items()}
         assert _max_diff(member, ref) <= TOL, (name, i, _max_diff(member, ref))
-        start = dict(_mlp(i).named_parameters())
+        start = dict(mlp(SIZES, seed=i).named_parameters())
         assert _max_diff(ref, {k: v.detach() for k, v in start.items()}) > 1e-3
 
 
@@ -180,7 +171,7 @@ def test_vmap_ensemble_equals_each_member_alone(name):
     params, state = _train_ensemble(opt, batches)
     step = _member_step(opt)
     for i in range(MEMBERS):
-        p = {k: v.detach() for k, v in _mlp(i).named_parameters()}
+        p = {k: v.detach() for k, v in mlp(SIZES, seed=i).named_parameters()}
         s = opt.init(p)
         for x, y in batches:
             p, s = step(p, s, x[i], y[i])
@@ -242,7 +233,7 @@ def _replicate(tree):
 
 
 def _global_torch_run(make_opt, clip: float | None, batches) -> dict[str, torch.Tensor]:
-    model = _mlp(0)
+    model = mlp(SIZES, seed=0)
     opt = make_opt(model.parameters())
     for x, y in batches:
         opt.zero_grad()
@@ -265,7 +256,7 @@ def test_fddp_vmap_replicas_match_global_batch_and_stay_identical(name, conventi
         updates, state = opt.update(fddp.pmean(grads), state, params)
         return optim.apply_updates(params, updates), state, fddp.pmean(loss)
 
-    params = {k: v.detach() for k, v in _mlp(0).named_parameters()}
+    params = {k: v.detach() for k, v in mlp(SIZES, seed=0).named_parameters()}
     state = opt.init(params)
     if convention == "all_mapped":
         vstep = fddp.vmap(step)
@@ -298,7 +289,7 @@ def test_powersgd_state_per_replica_under_fddp_vmap():
     psgd = fddp.powersgd(rank=2, epsilon=0.0)
     state = torch.func.vmap(psgd.init)(grads[0])
     alone = psgd.init({k: v[0] for k, v in grads[0].items()})
-    assert _tree_equal(state, _replicate(alone))
+    assert_trees_equal(state, _replicate(alone), "vmapped init")
     q, error = alone.qs["['w']"], torch.zeros(REPLICAS, 24, 10)
     step = fddp.vmap(psgd.update)
     for g in grads:
@@ -328,7 +319,7 @@ DIFF_CASES = {
 def _meta_setup(name: str):
     """``outer(params, lr)``: the validation loss after one update from a warmed-up state."""
     x, y = (b.double() for b in _batches(2, steps=1, dtype=torch.float64)[0])
-    params = {k: v.detach().double() for k, v in _mlp(0).named_parameters()}
+    params = {k: v.detach().double() for k, v in mlp(SIZES, seed=0).named_parameters()}
 
     def loss(p, i):
         # not F.mse_loss: jvp over its grad raises "ZeroTensors are immutable" (torch 2.13)
@@ -360,11 +351,12 @@ def test_grad_vjp_jvp_through_update_match_finite_differences(name):
     torch.manual_seed(0)
     grads = torch.func.grad(outer, argnums=(0, 1))(params, lr)
     value, vjp_fn = torch.func.vjp(outer, params, lr)
-    assert _tree_equal(vjp_fn(torch.ones_like(value)), grads)
+    assert_trees_equal(vjp_fn(torch.ones_like(value)), grads, "vjp vs grad")
     for _ in range(3):
         tangents = (optree.tree_map(torch.randn_like, params), torch.randn((), dtype=lr.dtype))
         fd = _directional_fd(outer, (params, lr), tangents)
-        by_grad = sum((g * t).sum() for g, t in zip(*map(optree.tree_leaves, (grads, tangents))))
+        products = optree.tree_map(lambda g, t: (g * t).sum(), grads, tangents)  # same trees
+        by_grad = sum(optree.tree_leaves(products))
         _, by_jvp = torch.func.jvp(outer, (params, lr), tangents)
         assert abs(fd) > 1e-4
         assert by_grad.item() == pytest.approx(fd, rel=1e-6, abs=1e-9)
@@ -390,7 +382,7 @@ def test_traced_update_keeps_foreach_kernels_and_transformed_one_does_not():
         updates, state = opt.update(grads, state, params)
         return optim.apply_updates(params, updates), state
 
-    params = {k: v.detach() for k, v in _mlp(0).named_parameters()}
+    params = {k: v.detach() for k, v in mlp(SIZES, seed=0).named_parameters()}
     grads = optree.tree_map(torch.randn_like, params)
     state = opt.init(params)
     ops = {str(n.target) for n in make_fx(step)(params, grads, state).graph.nodes}
@@ -400,13 +392,13 @@ def test_traced_update_keeps_foreach_kernels_and_transformed_one_does_not():
     stacked = _replicate((params, grads, state))
     vmapped = make_fx(torch.func.vmap(step))(*stacked)
     assert not any("_foreach_" in str(n.target) for n in vmapped.graph.nodes)
-    assert _tree_equal(vmapped(*stacked), torch.func.vmap(step)(*stacked))
+    assert_trees_equal(vmapped(*stacked), torch.func.vmap(step)(*stacked), "make_fx of vmap")
 
 
 def test_ensemble_step_inside_data_parallel_world_of_one():
     opt = optim.adamw(1e-2)
     step = torch.func.vmap(_member_step(opt))
-    params, _ = torch.func.stack_module_state([_mlp(i) for i in range(MEMBERS)])
+    params, _ = torch.func.stack_module_state([mlp(SIZES, seed=i) for i in range(MEMBERS)])
     params = {k: v.detach() for k, v in params.items()}
     state = torch.func.vmap(opt.init)(params)
     pstep = fddp.data_parallel(step)

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 import torch.nn.functional as F
+from _compare import assert_trees_close
 
 import fddp
 from fddp import vmap
@@ -34,18 +35,10 @@ def _map(fn: Any, tree: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _assert_tree_equal(a: Any, b: Any, **tol: float) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        x, y = (a[key][0], b[key][0]) if key == "f64" else (a[key], b[key])
-        assert x.dtype == y.dtype, key
-        torch.testing.assert_close(x, y, **tol)
-
-
 def test_psum_pmean_of_a_tree() -> None:
     tree = _tree()
     out = vmap(lambda t: fddp.psum(t))(tree)
-    _assert_tree_equal(out, _map(lambda x: x.sum(0, dtype=x.dtype).expand_as(x), tree))
+    assert_trees_close(out, _map(lambda x: x.sum(0, dtype=x.dtype).expand_as(x), tree))
     floats = {k: tree[k] for k in ("f32", "f64", "scalar")}
     mean = vmap(lambda t: fddp.pmean(t))(floats)
     torch.testing.assert_close(mean["f32"], tree["f32"].mean(0).expand(N, 3, 2))
@@ -62,7 +55,7 @@ def test_results_are_replicated_so_out_dims_none_works() -> None:
 def test_all_gather_stacked_and_tiled() -> None:
     tree = _tree()
     stacked = vmap(lambda t: fddp.all_gather(t), out_dims=None)(tree)
-    _assert_tree_equal(stacked, tree)
+    assert_trees_close(stacked, tree)
     nonscalar = {k: tree[k] for k in ("f32", "f64", "i32")}
     tiled = vmap(lambda t: fddp.all_gather(t, tiled=True), out_dims=None)(nonscalar)
     assert tiled["f32"].shape == (N * 3, 2)
@@ -73,7 +66,7 @@ def test_all_gather_stacked_and_tiled() -> None:
 def test_broadcast() -> None:
     tree = _tree()
     out = vmap(lambda t: fddp.broadcast(t, src=2))(tree)
-    _assert_tree_equal(out, _map(lambda x: x[2].expand_as(x), tree))
+    assert_trees_close(out, _map(lambda x: x[2].expand_as(x), tree))
     with pytest.raises(ValueError, match="src=4"):
         vmap(lambda t: fddp.broadcast(t, src=4))(tree)
 
