@@ -14,6 +14,7 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
+from _compare import assert_trees_close, assert_trees_equal
 from torch import fx
 
 import fddp
@@ -231,13 +232,13 @@ def test_bucket_count_and_contents_follow_the_caps(cap, first_cap):
     expected = _expected_buckets(_weights_in_production_order(SIZES), cap, first_cap)
     assert [_names(b) for b in schedule.buckets] == expected
     assert len(schedule.collectives) == len(schedule.buckets)
-    for plan, names in zip(schedule.buckets, expected):
+    for plan, names in zip(schedule.buckets, expected, strict=True):
         assert plan.nbytes == sum(params[n].numel() * 4 for n in names)
     view = GraphView(_graph(pstep, params, batch))
     assert sum(_is_all_reduce(n) for n in view.nodes) == len(expected)
     new, _ = pstep(params, batch)
     old, _ = step(params, batch)  # a world of one: pmean is the identity
-    torch.testing.assert_close(new, old, rtol=1e-6, atol=1e-6)
+    assert_trees_close(new, old, rtol=1e-6, atol=1e-6)
 
 
 def test_graph_is_the_program_the_step_runs_and_needs_a_traced_step():
@@ -288,7 +289,7 @@ def test_weight_gradients_are_computed_straight_into_their_bucket():
     assert set(copies) == set(into_buckets), f"also written into buckets: {copies}"
     new, _ = pstep(params, batch)
     old, _ = step(params, batch)
-    assert all(torch.equal(new[k], old[k]) for k in params)
+    assert_trees_equal(new, old, "the scheduled step vs the step")
 
 
 # --- overlap pass ----------------------------------------------------------------------------
@@ -380,7 +381,7 @@ def test_every_wait_follows_its_launch_and_precedes_its_first_user(scheduled):
     schedule, view = scheduled
     launches = view.launches()
     assert len(launches) == len(schedule.collectives) > 1
-    for launch, plan in zip(launches, schedule.collectives):
+    for launch, plan in zip(launches, schedule.collectives, strict=True):
         wait = view.wait_of(launch)
         assert view.pos[launch] < view.pos[wait]
         assert plan.launch <= plan.wait
@@ -449,7 +450,7 @@ def test_comm_dtype_casts_each_bucket_for_the_all_reduce(dtype):
         schedule, view = pstep.schedule(*args), GraphView(_graph(pstep, *args))
     full = _case("mlp")[3]
     assert [b.leaves for b in schedule.buckets] == [b.leaves for b in full.buckets]
-    for cast, plan in zip(schedule.buckets, full.buckets):
+    for cast, plan in zip(schedule.buckets, full.buckets, strict=True):
         assert cast.dtype == str(dtype).removeprefix("torch.")
         assert 2 * cast.nbytes == plan.nbytes
     for launch in view.launches():
@@ -463,7 +464,7 @@ def test_comm_dtype_step_runs_and_stays_close_to_float32():
     new, _ = pstep(params, batch)
     old, _ = step(params, batch)  # a world of one: pmean is the identity
     assert all(new[name].dtype == torch.float32 for name in params)
-    torch.testing.assert_close(new, old, rtol=1e-2, atol=1e-3)
+    assert_trees_close(new, old, rtol=1e-2, atol=1e-3)
 
 
 # --- gradient accumulation -------------------------------------------------------------------
