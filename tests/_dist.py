@@ -29,6 +29,7 @@ import importlib
 import multiprocessing
 import os
 import pickle
+import runpy
 import signal
 import socket
 import subprocess
@@ -520,8 +521,24 @@ def _start_rank(args: tuple, name: str) -> tuple[Connection, Any]:
     return Connection(read_fd, writable=False), _ForkedRank(pid)
 
 
+def _script(argv: list[str], env: dict[str, str], cwd: str, log_path: str) -> None:
+    """Run ``python ARGV`` in this forked process, as a fresh interpreter would run it (its
+    output to ``log_path``; an uncaught exception or ``sys.exit`` ends the process with the
+    status a script's would have)."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+    runpy.run_path(argv[0], run_name="__main__")
+
+
 def _serve(fd: int) -> None:
-    """The fork server's loop: fork a rank per request, report each rank's exit status."""
+    """The fork server's loop: fork a rank or a script per request, report each exit status."""
     conn = Connection(fd)
     for module in _PRELOAD:
         importlib.import_module(module)
@@ -534,16 +551,20 @@ def _serve(fd: int) -> None:
     while True:
         if conn.poll(0.02):
             try:
-                request_id, args = conn.recv()
+                request_id, kind, args = conn.recv()
             except EOFError:
                 return  # the tests are over
-            result_fd = reduction.recv_handle(conn)
+            result_fd = reduction.recv_handle(conn) if kind == "rank" else None
             pid = os.fork()
             if pid == 0:
                 conn.close()
-                _child(*args, Connection(result_fd, readable=False))
+                if result_fd is not None:
+                    _child(*args, Connection(result_fd, readable=False))
+                else:
+                    _script(*args)
                 sys.exit(0)  # unwinds out of the loop: the interpreter's normal exit
-            os.close(result_fd)
+            if result_fd is not None:
+                os.close(result_fd)
             children.add(pid)
             conn.send(("forked", request_id, pid))
         while children:
@@ -611,12 +632,15 @@ class _ForkServer:
                     self._exits[message[1]] = message[2]
                 self._changed.notify_all()
 
-    def fork(self, args: tuple, result_fd: int) -> int:
+    def fork(self, args: tuple, result_fd: int | None = None) -> int:
+        """Fork a rank running ``_child(*args)`` (reporting to ``result_fd``) or, without
+        ``result_fd``, a script run by ``_script(*args)``; its pid."""
         with self._send_lock:
             request_id = self._next_request
             self._next_request += 1
-            self._conn.send((request_id, args))
-            reduction.send_handle(self._conn, result_fd, self._proc.pid)
+            self._conn.send((request_id, "rank" if result_fd is not None else "script", args))
+            if result_fd is not None:
+                reduction.send_handle(self._conn, result_fd, self._proc.pid)
         with self._changed:
             done = self._changed.wait_for(
                 lambda: request_id in self._forked or not self.alive, SERVER_START_TIMEOUT_S
@@ -641,6 +665,28 @@ def _fork_server() -> _ForkServer:
         if _server is None or not _server.alive:
             _server = _ForkServer()
         return _server
+
+
+class _ForkedScript:
+    """A script forked by the fork server, with the methods of ``subprocess.Popen`` that
+    :class:`Job` uses."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: str, log_path: str) -> None:
+        self._server = _fork_server()
+        self.pid = self._server.fork((argv, env, cwd, log_path))
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server.exit_status(self.pid, 0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self._server.exit_status(self.pid, timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired([str(self.pid)], timeout or 0)
+        return self.returncode
 
 
 class _ForkedRank:
@@ -723,7 +769,9 @@ class Job:
 
     Each process writes stdout and stderr to its own file in ``tmp``. :meth:`wait` returns once
     the chosen processes have exited, or at the deadline; :meth:`stop` kills every process tree
-    left. Nothing waits past the deadline, so no test can hang on a job.
+    left. Nothing waits past the deadline, so no test can hang on a job. With ``forked``, each
+    command (``python SCRIPT ARGS...``) runs in a process forked from the fork server, which
+    has imported torch and fddp already, instead of a fresh interpreter.
     """
 
     def __init__(
@@ -732,14 +780,20 @@ class Job:
         commands: list[tuple[list[str], dict[str, str]]],
         tmp: Path,
         timeout: float = 150.0,
+        *,
+        forked: bool = False,
     ) -> None:
         self.name = name
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout
         self.logs = [Path(tmp) / f"{name}.{i}.log" for i in range(len(commands))]
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[Any] = []  # subprocess.Popen, or _ForkedScript: the same methods
         self.ended_at: list[float | None] = [None] * len(commands)  # time.time() of each exit
         for (argv, env), log in zip(commands, self.logs, strict=True):
+            if forked and not _SPAWN:  # python SCRIPT ARGS..., forked from the fork server
+                assert argv[0] == sys.executable, argv
+                self.procs.append(_ForkedScript(argv[1:], env, str(ROOT), str(log)))
+                continue
             with open(log, "wb") as out:
                 self.procs.append(
                     subprocess.Popen(
@@ -764,6 +818,7 @@ class Job:
         port: int | None = None,
         env: dict[str, str] | None = None,
         timeout: float = 150.0,
+        forked: bool = False,
     ) -> Job:
         """``python ARGV`` as each rank of a ``world_size``-rank job (the torchrun environment,
         without torchrun)."""
@@ -773,7 +828,7 @@ class Job:
             ([sys.executable, *argv], script_env(**torchrun_env(r, world_size, port), **env))
             for r in range(world_size)
         ]
-        return cls(name, commands, tmp, timeout)
+        return cls(name, commands, tmp, timeout, forked=forked)
 
     def wait(self, which: list[int] | None = None) -> Job:
         which = list(range(len(self.procs))) if which is None else which

@@ -41,7 +41,8 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def examples(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Job], Path]:
-    """Every example started at once (on 2 cores a one-process example leaves one idle)."""
+    """Every example started at once (on 2 cores a one-process example leaves one idle); the
+    one-process examples fork from the fork server, which has imported torch and fddp."""
     tmp = tmp_path_factory.mktemp("examples")
     jobs = {}
     for name, (script, args, ranks) in RUNS.items():
@@ -51,7 +52,7 @@ def examples(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Job], 
         if ranks > 1:
             launcher = torchrun("--standalone", f"--nproc_per_node={ranks}")
         command = [*launcher, str(EXAMPLES / script), *args]
-        jobs[name] = Job(name, [(command, script_env())], tmp, TIMEOUT_S)
+        jobs[name] = Job(name, [(command, script_env())], tmp, TIMEOUT_S, forked=ranks == 1)
     try:
         yield jobs, tmp
     finally:

@@ -1,10 +1,11 @@
 """Reliability: mismatches raise instead of hanging, NaN steps, dead ranks, resume, restarts.
 
-Most of it runs in subprocesses, which cost seconds each (every process imports torch and traces
-its step), so the ``jobs`` fixture starts them all at once, in the background, and the tests
-collect their results: jobs that only wait (a stuck rank's timeout, a torchrun restart) overlap
-with the ones that compute. Each job has a deadline after which its whole process tree is
-killed, and the 2-rank spawn has one too: no test can hang.
+Most of it runs in subprocesses (tests/_dist.py's ``Job``), which cost seconds each, so the
+``jobs`` fixture starts them all at once, in the background, and the tests collect their
+results: jobs that only wait (a stuck rank's timeout, a torchrun restart) overlap with the ones
+that compute. The scripts' ranks fork from the fork server, which has imported torch and fddp
+already; torchrun starts its own workers. Each job has a deadline after which its whole process
+tree is killed, and the 2-rank run has one too: no test can hang.
 
 - 2 gloo ranks (``run_ranks``): a rank-dependent collective, a batch width, a batch dtype and a
   parameter tree that differ across ranks, each an error on every rank; a NaN in one rank's
@@ -53,12 +54,15 @@ class Jobs:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.all: list[Job] = []
-        self._ports = iter(free_ports(7))
+        self._ports = iter(free_ports(6))
         self.die = self._add(self._stall_job("die"))
         self.stuck = self._add(self._stall_job("stuck"))
         self.retrace = self._add(self._stall_job("retrace"))
-        self.reference = self._add(self._elastic_job("reference", "reference", ["--no-donate"]))
-        self.killed = self._add(self._elastic_job("killed", "resume", ["--kill-at", str(STOP_AT)]))
+        reference = self._elastic_job("reference", "reference", ["--no-donate"], next(self._ports))
+        self.reference = self._add(reference)
+        kill_at = ["--kill-at", str(STOP_AT)]
+        killed = self._elastic_job("killed", "resume", kill_at, next(self._ports))
+        self.killed = self._add(killed)
         env = script_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", FDDP_CRASH_AT_STEP=str(STOP_AT))
         restart = torchrun("--standalone", "--nproc_per_node=2", "--max-restarts=1")
         restart += [str(ELASTIC), "--dir", str(tmp / "restarted"), *ELASTIC_ARGS]
@@ -77,11 +81,13 @@ class Jobs:
         ready = self.tmp / f"{mode}-ready"
         ready.mkdir()
         args = [str(STALL_SCRIPT), mode, str(STALL_TIMEOUT_S), str(ready)]
-        return Job.ranks(mode, self.tmp, args, port=next(self._ports), timeout=JOB_TIMEOUT_S)
+        return Job.ranks(
+            mode, self.tmp, args, port=next(self._ports), timeout=JOB_TIMEOUT_S, forked=True
+        )
 
-    def _elastic_job(self, name: str, directory: str, extra: list[str]) -> Job:
+    def _elastic_job(self, name: str, directory: str, extra: list[str], port: int | None) -> Job:
         args = [str(ELASTIC), "--dir", str(self.tmp / directory), *ELASTIC_ARGS, *extra]
-        return Job.ranks(name, self.tmp, args, port=next(self._ports), timeout=JOB_TIMEOUT_S)
+        return Job.ranks(name, self.tmp, args, port=port, timeout=JOB_TIMEOUT_S, forked=True)
 
     def _two_node_commands(self) -> list[tuple[list[str], dict[str, str]]]:
         port = next(self._ports)
@@ -94,7 +100,8 @@ class Jobs:
         """As soon as the killed job has ended: new processes resume from its checkpoint."""
         self.killed.wait()
         if not self._stopping:
-            self._resumed = self._add(self._elastic_job("resumed", "resume", []))
+            # a port free now, not one taken with the others seconds ago
+            self._resumed = self._add(self._elastic_job("resumed", "resume", [], None))
 
     def resumed(self) -> Job:
         self._resume_starter.join()
