@@ -552,8 +552,11 @@ def _serve(fd: int) -> None:
         if conn.poll(0.02):
             try:
                 request_id, kind, args = conn.recv()
-            except EOFError:
-                return  # the tests are over
+            except EOFError:  # the tests are over (or were killed): no rank outlives them
+                for pid in children:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                return
             result_fd = reduction.recv_handle(conn) if kind == "rank" else None
             pid = os.fork()
             if pid == 0:
