@@ -128,8 +128,9 @@ def run_checks(
 
     Args:
         checks: ``{name: check}``, run in this order. (A plain sequence is the older form,
-            kept for tests/test_bucket_cap.py: the first failure fails the whole run, and the
-            results come back as ``results[i][rank]``.)
+            kept until tests/test_bucket_cap.py and tests/test_checkpoint_sharded.py move to
+            names: the first failure fails the whole run, and the results come back as
+            ``results[i][rank]``.)
         world_size: number of ranks.
         timeout: seconds for the whole spawn.
         env: extra environment variables for the ranks.
