@@ -97,14 +97,17 @@ def run_ranks(
     """
     if world_size < 1:
         raise ValueError(f"run_ranks: world_size must be at least 1, got {world_size}.")
+    return _Run(_payload(fn, args), world_size, timeout, dict(env or {})).run()
+
+
+def _payload(fn: Callable[..., Any], args: tuple) -> bytes:
     try:
-        payload = pickle.dumps((fn, args))
+        return pickle.dumps((fn, args))
     except (pickle.PicklingError, AttributeError, TypeError) as e:
         raise TypeError(
             f"run_ranks: cannot pickle {fn!r} and its arguments for the spawned ranks ({e}). "
             "Pass a module-level function of an importable module, and picklable arguments."
         ) from e
-    return _Run(payload, world_size, timeout, dict(env or {})).run()
 
 
 def run_checks(
@@ -147,7 +150,7 @@ def run_checks(
         per_rank = run_ranks(_run_in_order, world_size, list(checks), timeout=timeout, env=env)
         return [[per_rank[r][i] for r in range(world_size)] for i in range(len(checks))]
     names = list(checks)
-    run = _Run(pickle.dumps((_run_named, (dict(checks),))), world_size, timeout, dict(env or {}))
+    run = _Run(_payload(_run_named, (dict(checks),)), world_size, timeout, dict(env or {}))
     spawn_error = None
     try:
         run.run()
@@ -192,6 +195,9 @@ class CheckResults(Mapping[str, list[Any]]):
 
     def __len__(self) -> int:
         return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
 
     def outcomes(self, name: str) -> list[Any]:
         """Each rank's result, or a :class:`Raised` for a rank on which the check raised."""
