@@ -56,7 +56,7 @@ def assert_trees_equal(actual: Any, expected: Any, what: str = "") -> None:
 
     A NaN equals a NaN in the same place (the same computation gives the same NaN).
     """
-    _compare(actual, expected, what, exact=True, rtol=0.0, atol=0.0)
+    _compare(actual, expected, what, exact=True, rtol=0.0, atol=0.0, equal_nan=True)
 
 
 def assert_trees_close(
@@ -65,16 +65,18 @@ def assert_trees_close(
     *,
     rtol: float | None = None,
     atol: float | None = None,
+    equal_nan: bool = False,
     what: str = "",
 ) -> None:
     """Same structure, leaf paths, types, shapes and dtypes; values within ``rtol``/``atol``.
 
-    ``rtol`` and ``atol`` are ``torch.testing.assert_close``'s (both or neither; neither: its
-    defaults for the dtype). Integer, bool and string leaves must be equal.
+    ``rtol``, ``atol`` and ``equal_nan`` are ``torch.testing.assert_close``'s (both tolerances
+    or neither; neither: its defaults for the dtype). Integer, bool and string leaves must be
+    equal.
     """
     if (rtol is None) != (atol is None):
         raise ValueError("assert_trees_close: pass both rtol and atol, or neither")
-    _compare(actual, expected, what, exact=False, rtol=rtol, atol=atol)
+    _compare(actual, expected, what, exact=False, rtol=rtol, atol=atol, equal_nan=equal_nan)
 
 
 def assert_ranks_equal(per_rank: Sequence[Any], what: str = "") -> None:
@@ -87,7 +89,14 @@ def assert_ranks_equal(per_rank: Sequence[Any], what: str = "") -> None:
 
 
 def _compare(
-    actual: Any, expected: Any, what: str, *, exact: bool, rtol: float | None, atol: float | None
+    actual: Any,
+    expected: Any,
+    what: str,
+    *,
+    exact: bool,
+    rtol: float | None,
+    atol: float | None,
+    equal_nan: bool,
 ) -> None:
     head = f"{what}: " if what else ""
     a_paths, a_leaves, a_spec = _flatten(actual)
@@ -112,7 +121,7 @@ def _compare(
         )
     problems = []
     for path, a, e in zip(a_paths, a_leaves, e_leaves, strict=True):
-        problem = _leaf_problem(a, e, exact=exact, rtol=rtol, atol=atol)
+        problem = _leaf_problem(a, e, exact=exact, rtol=rtol, atol=atol, equal_nan=equal_nan)
         if problem is not None:
             problems.append((path, problem))
     if problems:
@@ -129,7 +138,7 @@ def _flatten(tree: Any) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
 
 
 def _leaf_problem(
-    a: Any, e: Any, *, exact: bool, rtol: float | None, atol: float | None
+    a: Any, e: Any, *, exact: bool, rtol: float | None, atol: float | None, equal_nan: bool
 ) -> str | None:
     a_tensor, e_tensor = isinstance(a, torch.Tensor), isinstance(e, torch.Tensor)
     if a_tensor != e_tensor:
@@ -141,14 +150,14 @@ def _leaf_problem(
             return f"dtype {a.dtype} in actual, {e.dtype} in expected"
         try:
             torch.testing.assert_close(
-                a.detach(), e.detach(), rtol=rtol, atol=atol, equal_nan=exact, check_device=True
+                a.detach(), e.detach(), rtol=rtol, atol=atol, equal_nan=equal_nan, check_device=True
             )
         except AssertionError as error:
             return str(error)
         return None
     if type(a) is not type(e):
         return f"{type(a).__name__} {a!r} in actual, {type(e).__name__} {e!r} in expected"
-    if isinstance(a, float) and math.isnan(a) and math.isnan(e) and exact:
+    if isinstance(a, float) and math.isnan(a) and math.isnan(e) and equal_nan:
         return None
     if isinstance(a, float) and not exact:
         try:

@@ -13,7 +13,7 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
-from _compare import assert_trees_equal
+from _compare import assert_trees_close, assert_trees_equal
 from _models import mlp
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -176,7 +176,7 @@ def test_vmap_ensemble_equals_each_member_alone(name):
         for x, y in batches:
             p, s = step(p, s, x[i], y[i])
         member = optree.tree_map(lambda leaf, i=i: leaf[i], (params, state))
-        torch.testing.assert_close(member, (p, s), rtol=0, atol=TOL, equal_nan=True)
+        assert_trees_close(member, (p, s), rtol=0, atol=TOL, equal_nan=True, what=f"member {i}")
     if name == "apply_if_finite":
         # member 2's second NaN in a row is past max_consecutive_errors: applied, so its
         # parameters are NaN from then on, and so are its last two gradients
@@ -406,7 +406,7 @@ def test_ensemble_step_inside_data_parallel_world_of_one():
     for x, y in _batches(MEMBERS, steps=3):
         params, state = pstep(params, state, x, y)
         eager = step(*eager, x, y)
-        torch.testing.assert_close((params, state), eager, rtol=0, atol=TOL)
+        assert_trees_close((params, state), eager, rtol=0, atol=TOL, what="traced vs eager")
 
 
 def test_vmapped_update_under_torch_compile_both_ways():
@@ -423,4 +423,4 @@ def test_vmapped_update_under_torch_compile_both_ways():
     compiled = torch.compile(torch.func.vmap(step), fullgraph=True, backend="eager")
     mapped = torch.func.vmap(torch.compile(step, fullgraph=True, backend="eager"))
     for fn in (compiled, mapped):
-        torch.testing.assert_close(fn(*args), expected, rtol=0, atol=TOL)
+        assert_trees_close(fn(*args), expected, rtol=0, atol=TOL)

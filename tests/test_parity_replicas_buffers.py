@@ -273,7 +273,7 @@ def test_converted_model_in_one_process_is_the_original(momentum):
         out, buffers = fddp.functional(model, return_buffers=True)(params, buffers, x)
         sout, sbuffers = fddp.functional(synced, return_buffers=True)(params, sbuffers, x)
     torch.testing.assert_close(sout, out)
-    torch.testing.assert_close(sbuffers, buffers)
+    assert_trees_close(sbuffers, buffers, what="synced buffers")
     model.eval(), synced.eval()
     torch.testing.assert_close(
         fddp.functional(synced)(params, buffers, x), fddp.functional(model)(params, buffers, x)
