@@ -8,6 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import fddp
+import fddp.optim as optim
+
 
 def mlp(sizes: tuple[int, ...], *, bias: bool = True, seed: int = 0) -> nn.Sequential:
     """Linear layers of the given widths with tanh between them; layer ``i`` is ``f"{2*i}"``."""
@@ -116,6 +119,25 @@ def tiny_gpt2(seed: int = 0) -> nn.Module:
 def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of predicting ``ids[:, 1:]`` from ``logits[:, :-1]``."""
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def mlp_step(opt, sizes: tuple[int, ...]):
+    """A pure data-parallel training step of ``mlp(sizes)`` on a regression batch (``{"x",
+    "y"}``, mean squared error) with the optimizer ``opt``, and the model's parameters:
+    ``step(params, opt_state, batch) -> (params, opt_state, pmean(loss))``."""
+    model = mlp(sizes)
+    apply = fddp.functional(model)
+    params, buffers = fddp.state(model)
+
+    def step(params, opt_state, batch):
+        def loss_fn(p):
+            return F.mse_loss(apply(p, buffers, batch["x"]), batch["y"])
+
+        loss, grads = fddp.value_and_grad(loss_fn)(params)
+        updates, opt_state = opt.update(fddp.pmean(grads), opt_state, params)
+        return optim.apply_updates(params, updates), opt_state, fddp.pmean(loss)
+
+    return step, params
 
 
 def regression_batch(step: int, rows: int, dim_in: int, dim_out: int) -> dict:

@@ -11,9 +11,8 @@ import os
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from _dist import run_checks
-from _models import mlp, regression_batch
+from _models import mlp_step, regression_batch
 
 import fddp
 import fddp.optim as optim
@@ -23,19 +22,8 @@ SMALL_BUCKETS = 300 / 2**20  # a few Linear layers per bucket: several buckets
 
 
 def _mlp_step():
-    model = mlp(SIZES)
-    apply = fddp.functional(model)
-    params, buffers = fddp.state(model)
     opt = optim.sgd(0.1, momentum=0.9)
-
-    def step(params, opt_state, batch):
-        def loss_fn(p):
-            return F.mse_loss(apply(p, buffers, batch["x"]), batch["y"])
-
-        loss, grads = fddp.value_and_grad(loss_fn)(params)
-        updates, opt_state = opt.update(fddp.pmean(grads), opt_state, params)
-        return optim.apply_updates(params, updates), opt_state, fddp.pmean(loss)
-
+    step, params = mlp_step(opt, SIZES)
     return step, params, opt.init(params)
 
 

@@ -157,7 +157,7 @@ def test_every_rank_takes_rank_0_figures_measured_once_per_group():
         "second": _default_schedule_line,
         "set_by_user": functools.partial(_default_schedule_line, bucket_cap_mb=0.5),
     }
-    results = dict(zip(checks, run_checks(list(checks.values()))))
+    results = run_checks(checks)
     assert results["rng_untouched"] == [True, True]  # a resumed run draws the same numbers
     first, second = results["first"], results["second"]
     assert "chosen by the cost model" in first[0]

@@ -18,17 +18,15 @@ import os
 import pickle
 import signal
 import struct
-import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
-import optree
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import free_port, run_checks, torchrun_env
+from _compare import assert_trees_equal
+from _dist import Job, run_checks, script_env
 from test_checkpoint import Malicious, _FullDisk
 
 import fddp
@@ -51,21 +49,6 @@ def _script():
     return sharded_kill
 
 
-def assert_trees_equal(got, want) -> None:
-    """Same leaf paths (a missing or extra leaf fails), types, dtypes, shapes and values."""
-    got_paths, got_leaves, got_spec = optree.tree_flatten_with_path(got)
-    want_paths, want_leaves, want_spec = optree.tree_flatten_with_path(want)
-    assert got_paths == want_paths
-    assert got_spec == want_spec
-    for path, x, y in zip(got_paths, got_leaves, want_leaves):
-        assert type(x) is type(y), path
-        if isinstance(x, torch.Tensor):
-            assert (x.dtype, x.shape) == (y.dtype, y.shape), path
-            assert torch.equal(x, y), (path, x, y)
-        else:
-            assert x == y, path
-
-
 def first_line(error: BaseException) -> str:
     return str(error).splitlines()[0]
 
@@ -73,90 +56,54 @@ def first_line(error: BaseException) -> str:
 # --- ranks SIGKILLed inside save_sharded ------------------------------------------------------
 
 
-class KillJob:
-    """The 2 ranks of ``sharded_kill.py MODE DIR``, each logging to its own file."""
+def _kill_job(mode: str, directory: Path) -> Job:
+    """The ranks of ``sharded_kill.py MODE DIR`` (2, or 1 for ``new``), each logging apart."""
+    directory.mkdir()
+    argv = [str(KILL_SCRIPT), mode, str(directory)]
+    if mode == "new":  # a world of one: no torchrun environment
+        return Job(mode, [([sys.executable, *argv], script_env())], directory.parent, JOB_TIMEOUT_S)
+    return Job.ranks(mode, directory.parent, argv, timeout=JOB_TIMEOUT_S)
 
-    def __init__(self, mode: str, directory: Path) -> None:
-        self.mode, self.directory = mode, directory
-        directory.mkdir()
-        port, world = free_port(), 1 if mode == "new" else 2
-        pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-        self.logs = [directory.parent / f"{mode}.{r}.log" for r in range(world)]
-        self.procs = []
-        for r, log in enumerate(self.logs):
-            ranks = torchrun_env(r, world, port) if world > 1 else {}
-            env = {**os.environ, **ranks, "OMP_NUM_THREADS": "1"}
-            with open(log, "wb") as out:
-                self.procs.append(
-                    subprocess.Popen(
-                        [sys.executable, str(KILL_SCRIPT), mode, str(directory)],
-                        env={**env, "PYTHONPATH": pythonpath},
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                    )
-                )
 
-    def wait(self, deadline: float) -> None:
-        for proc in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-
-    def describe(self) -> str:
-        parts = [f"{self.mode}: return codes {[p.returncode for p in self.procs]}"]
-        for r, log in enumerate(self.logs):
-            parts.append(f"--- rank {r} ---\n{log.read_text(errors='replace')[-4000:]}")
-        return "\n".join(parts)
-
-    def survivor(self) -> dict:
-        """What save_sharded raised on the rank that was not killed."""
-        codes = [p.returncode for p in self.procs]
-        victim = {"open": 1, "write": 0}[self.mode]
-        assert codes[victim] == -signal.SIGKILL, self.describe()
-        assert codes[1 - victim] == 0, self.describe()
-        lines = self.logs[1 - victim].read_text().splitlines()
-        outcome = [json.loads(x.split(" ", 1)[1]) for x in lines if x.startswith("fddp-kill: ")]
-        assert len(outcome) == 1, self.describe()
-        return outcome[0]
+def _survivor(mode: str, job: Job) -> dict:
+    """What save_sharded raised on the rank that was not killed."""
+    victim = {"open": 1, "write": 0}[mode]
+    codes = job.returncodes()
+    assert codes[victim] == -signal.SIGKILL, job.describe()
+    assert codes[1 - victim] == 0, job.describe()
+    lines = job.output(1 - victim).splitlines()
+    outcome = [json.loads(x.split(" ", 1)[1]) for x in lines if x.startswith("fddp-kill: ")]
+    assert len(outcome) == 1, job.describe()
+    return outcome[0]
 
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory: pytest.TempPathFactory):
-    """The three kill jobs, started at once (before the spawn of ``two_ranks``)."""
+    """The three kill jobs, started at once (before the spawn of the 2-rank checks);
+    ``killed()`` waits for them."""
     tmp = tmp_path_factory.mktemp("killed")
-    jobs = {mode: KillJob(mode, tmp / mode) for mode in ("open", "write", "new")}
-    done = False
+    jobs = {mode: _kill_job(mode, tmp / mode) for mode in ("open", "write", "new")}
 
-    def finished() -> dict[str, KillJob]:
-        nonlocal done
-        if not done:
-            deadline = time.monotonic() + JOB_TIMEOUT_S
-            for job in jobs.values():
-                job.wait(deadline)
-            done = True
-        return jobs
+    def finished() -> dict[str, tuple[Job, Path]]:
+        return {mode: (job.wait(), tmp / mode) for mode, job in jobs.items()}
 
     yield finished
     for job in jobs.values():
-        job.wait(time.monotonic())
+        job.stop()
 
 
 # --- checks on 2 gloo ranks, one spawn ---------------------------------------------------------
 
 
-def _checked(check, tmp: str) -> str | None:
-    """Run ``check(tmp)`` on this rank; its traceback if it failed (the test shows it)."""
+def _in_step(check, tmp: str) -> None:
+    """Run ``check(tmp)`` on this rank, then wait for the other (a failing check raises once
+    both are done, so the next check starts together)."""
     try:
         check(tmp)
-    except BaseException:  # DCP's CheckpointException is one
-        return traceback.format_exc()
+    except BaseException as e:  # DCP's CheckpointException is one: a test sees it as such
+        raise AssertionError(f"{type(e).__name__}: {e}") from e
     finally:
         dist.barrier()
-    return None
 
 
 def _rank_tree(seed: int) -> dict:
@@ -424,26 +371,27 @@ def _check_clear_errors(tmp: str) -> None:
     expect(ValueError, unpickled, ["corrupted or truncated", ".metadata cannot be unpickled"])
 
 
-def test_on_two_gloo_ranks(tmp_path: Path, killed) -> None:
-    """Rows 3-8 on 2 gloo ranks (one spawn; the kill jobs run meanwhile)."""
-    checks = [
-        _check_disk_full,
-        _check_bit_flip,
-        _check_crafted_pickles,
-        _check_dtype_mismatch,
-        _check_shard_state_with_fddp_save,
-        _check_clear_errors,
-    ]
-    results = run_checks(
-        [functools.partial(_checked, check, str(tmp_path)) for check in checks], 2, timeout=240
-    )
-    failures = [
-        f"{check.__name__} on rank {rank}:\n{error}"
-        for check, per_rank in zip(checks, results)
-        for rank, error in enumerate(per_rank)
-        if error is not None
-    ]
-    assert not failures, "\n\n".join(failures)
+TWO_RANK_CHECKS = {
+    "disk_full": _check_disk_full,
+    "bit_flip": _check_bit_flip,
+    "crafted_pickles": _check_crafted_pickles,
+    "dtype_mismatch": _check_dtype_mismatch,
+    "shard_state_with_fddp_save": _check_shard_state_with_fddp_save,
+    "clear_errors": _check_clear_errors,
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory, killed):
+    """Rows 3-8 on 2 gloo ranks, one spawn (the kill jobs run meanwhile)."""
+    tmp = str(tmp_path_factory.mktemp("two_ranks"))
+    checks = {name: functools.partial(_in_step, c, tmp) for name, c in TWO_RANK_CHECKS.items()}
+    return run_checks(checks, 2, timeout=240)
+
+
+@pytest.mark.parametrize("name", list(TWO_RANK_CHECKS))
+def test_on_two_gloo_ranks(two_ranks, name: str) -> None:
+    assert two_ranks[name] == [None, None]
 
 
 # --- the kill jobs' results --------------------------------------------------------------
@@ -455,8 +403,8 @@ def _kill_like():
     return {"params": params, "opt": _script().optimizer().init(params), "step": 0}
 
 
-def _assert_previous_intact(job: KillJob) -> None:
-    ckpt, reference = job.directory / "ckpt", job.directory / "reference"
+def _assert_previous_intact(directory: Path) -> None:
+    ckpt, reference = directory / "ckpt", directory / "reference"
     like = _kill_like()
     got = fddp.load_sharded(ckpt, like)
     assert_trees_equal(got, fddp.load_sharded(reference, like))
@@ -467,10 +415,10 @@ def test_kill_as_a_rank_opens_its_shard_file_keeps_the_previous_checkpoint(kille
     """Row 1: rank 1 SIGKILLed as it opens its shard file; rank 0 wrote its own. Before, the
     load returned a mix (moments half from each save); now the previous checkpoint loads as
     it was, and the surviving rank 0 removed the unpublished directory."""
-    job = killed()["open"]
-    job.survivor()
-    _assert_previous_intact(job)
-    ckpt = job.directory / "ckpt"
+    job, directory = killed()["open"]
+    _survivor("open", job)
+    _assert_previous_intact(directory)
+    ckpt = directory / "ckpt"
     manifest = json.loads((ckpt / MANIFEST).read_text())
     assert sorted(os.listdir(ckpt)) == sorted([MANIFEST, manifest["data"]])
 
@@ -479,10 +427,10 @@ def test_kill_mid_write_keeps_the_previous_checkpoint(killed) -> None:
     """Row 2: rank 0 SIGKILLed after writing part of its shard file. Before, the previous
     checkpoint was destroyed (old .metadata, truncated shard); now it is intact, and the next
     save removes the directory the dead save left."""
-    job = killed()["write"]
-    job.survivor()
-    _assert_previous_intact(job)
-    ckpt = job.directory / "ckpt"
+    job, directory = killed()["write"]
+    _survivor("write", job)
+    _assert_previous_intact(directory)
+    ckpt = directory / "ckpt"
     tree = {"w": torch.ones(3)}
     fddp.save_sharded(ckpt, tree)
     manifest = json.loads((ckpt / MANIFEST).read_text())
@@ -495,9 +443,9 @@ def test_kill_mid_save_to_a_new_path_leaves_a_clear_error(killed) -> None:
     it raised DCP's CheckpointException (a BaseException) with a traceback; now
     FileNotFoundError, whose first line names the path and the cause. The next save removes
     what the dead one left."""
-    job = killed()["new"]
-    assert [p.returncode for p in job.procs] == [-signal.SIGKILL], job.describe()
-    new = job.directory / "new"
+    job, directory = killed()["new"]
+    assert job.returncodes() == [-signal.SIGKILL], job.describe()
+    new = directory / "new"
     with pytest.raises(FileNotFoundError) as info:
         fddp.load_sharded(new, {"params": _kill_like()["params"], "step": 0})
     assert str(new) in first_line(info.value)
@@ -516,7 +464,7 @@ def test_kill_mid_save_to_a_new_path_leaves_a_clear_error(killed) -> None:
 def test_the_surviving_rank_raises_rank_failure_error(killed, mode: str) -> None:
     """Row 9: the rank whose peer was killed inside save_sharded. Before, gloo's raw
     RuntimeError: Connection closed by peer; now fddp.RankFailureError."""
-    outcome = killed()[mode].survivor()
+    outcome = _survivor(mode, killed()[mode][0])
     assert outcome["type"] == "RankFailureError", outcome
     assert outcome["rank_failure"]
     assert outcome["message"].startswith("fddp.save_sharded: a collective failed on rank")

@@ -286,7 +286,7 @@ def test_powersgd_state_per_replica_under_fddp_vmap():
     """Each replica carries its own error feedback; the reference is PowerSGD on stacked grads."""
     torch.manual_seed(0)
     grads = [{"w": torch.randn(REPLICAS, 24, 10), "b": torch.randn(REPLICAS, 24)} for _ in range(3)]
-    psgd = fddp.powersgd(rank=2, epsilon=0.0)
+    psgd = fddp.powersgd(approximation_rank=2, epsilon=0.0)
     state = torch.func.vmap(psgd.init)(grads[0])
     alone = psgd.init({k: v[0] for k, v in grads[0].items()})
     assert_trees_equal(state, _replicate(alone), "vmapped init")

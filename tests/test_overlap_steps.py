@@ -18,10 +18,9 @@ import tempfile
 import optree
 import pytest
 import torch
-import torch.nn.functional as F
 from _compare import assert_trees_equal
 from _dist import run_checks
-from _models import mlp, next_token_loss, regression_batch, tiny_decoder, token_batch
+from _models import mlp_step, next_token_loss, regression_batch, tiny_decoder, token_batch
 
 import fddp
 import fddp.optim as optim
@@ -34,19 +33,7 @@ SMALL_BUCKETS = 300 / 2**20  # a few Linear layers per bucket: several buckets
 
 
 def _mlp_step(opt: optim.GradientTransformation, sizes: tuple[int, ...] = SIZES):
-    model = mlp(sizes)
-    apply = fddp.functional(model)
-    params, buffers = fddp.state(model)
-
-    def step(params, opt_state, batch):
-        def loss_fn(p):
-            return F.mse_loss(apply(p, buffers, batch["x"]), batch["y"])
-
-        loss, grads = fddp.value_and_grad(loss_fn)(params)
-        updates, opt_state = opt.update(fddp.pmean(grads), opt_state, params)
-        return optim.apply_updates(params, updates), opt_state, fddp.pmean(loss)
-
-    return step, params
+    return mlp_step(opt, sizes)
 
 
 def _batch(i: int, sizes: tuple[int, ...] = SIZES) -> dict:

@@ -129,7 +129,7 @@ def _check_powersgd() -> dict:
         ddp_losses.append(ddp_train_step(ddp, torch_opt, *local_batch(s, 8, PSGD_SIZES)))
 
     dense = fddp.data_parallel(sgd_step(loss_fn, opt))
-    psgd = fddp.powersgd(rank=PSGD_RANK, epsilon=PSGD_EPSILON)
+    psgd = fddp.powersgd(approximation_rank=PSGD_RANK, epsilon=PSGD_EPSILON)
 
     @fddp.data_parallel
     def compressed(params, opt_state, comm_state, x, y):
@@ -259,7 +259,7 @@ def test_mixed_precision_keeps_fp32_master_params_and_matches_the_same_casts(run
 def test_powersgd_error_feedback_keeps_the_mean_and_exact_low_rank_gradients():
     g = torch.Generator().manual_seed(0)
     grads = {"w": torch.randn(3, 16, 12, generator=g), "b": torch.randn(3, 16, generator=g)}
-    psgd = fddp.powersgd(rank=2)
+    psgd = fddp.powersgd(approximation_rank=2)
     state = psgd.init({"w": grads["w"][0], "b": grads["b"][0]})
     assert list(state.qs) == ["['w']"]
     states = optree.tree_map(lambda t: t.expand(3, *t.shape), state)

@@ -1,5 +1,9 @@
 """The public surface is pinned: adding or removing a public name is a deliberate change."""
 
+import pytest
+import torch
+from _compare import assert_trees_equal
+
 import fddp
 import fddp.optim
 import fddp.typing
@@ -141,3 +145,23 @@ def test_typing_surface_and_the_optimizer_protocol_is_one_class():
     assert fddp.optim.GradientTransformation is fddp.typing.GradientTransformation
     assert fddp.optim.InitFn is fddp.typing.TransformInitFn
     assert fddp.optim.UpdateFn is fddp.typing.TransformUpdateFn
+
+
+def test_renamed_arguments_keep_working_for_a_release_and_name_the_new_one():
+    with pytest.warns(FutureWarning, match=r"approximation_rank"):
+        old = fddp.powersgd(rank=2)
+    new = fddp.powersgd(approximation_rank=2)
+    grads = {"w": torch.outer(torch.arange(8.0), torch.ones(4))}
+    assert_trees_equal(old.init(grads), new.init(grads))
+
+
+def test_data_parallel_returns_the_exported_step_type_and_plan():
+    step = fddp.data_parallel(
+        lambda w, x: w - 0.1 * fddp.pmean(fddp.grad(lambda w: (x @ w).sum())(w))
+    )
+    assert isinstance(step, fddp.typing.DataParallelStep)
+    plan = step.schedule(torch.ones(2), torch.ones(3, 2))
+    assert isinstance(plan, fddp.typing.Plan)
+    assert all(isinstance(c, fddp.typing.CollectivePlan) for c in plan.collectives)
+    decorated = fddp.data_parallel(bucket_cap_mb=1.0)(lambda w: w)
+    assert isinstance(decorated, fddp.typing.DataParallelStep)

@@ -15,9 +15,8 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 from _dist import run_ranks
-from _models import mlp, regression_batch
+from _models import mlp_step, regression_batch
 
 import fddp
 import fddp.optim as optim
@@ -29,19 +28,8 @@ WORLD = 3
 
 def _setup():
     torch.manual_seed(0)
-    model = mlp(SIZES)
-    apply = fddp.functional(model)
-    params = fddp.state(model)[0]
     opt = optim.adamw(1e-3)
-
-    def step(params, opt_state, batch):
-        def loss_fn(p):
-            return F.mse_loss(apply(p, {}, batch["x"]), batch["y"])
-
-        loss, grads = fddp.value_and_grad(loss_fn)(params)
-        updates, opt_state = opt.update(fddp.pmean(grads), opt_state, params)
-        return optim.apply_updates(params, updates), opt_state, fddp.pmean(loss)
-
+    step, params = mlp_step(opt, SIZES)
     return fddp.data_parallel(step), {"params": params, "opt": opt.init(params)}
 
 
