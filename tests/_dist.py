@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from multiprocessing import reduction
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -111,12 +111,12 @@ def _payload(fn: Callable[..., Any], args: tuple) -> bytes:
 
 
 def run_checks(
-    checks: Mapping[str, Callable[[], Any]] | Sequence[Callable[[], Any]],
+    checks: Mapping[str, Callable[[], Any]],
     world_size: int = 2,
     *,
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
-) -> CheckResults | list[list[Any]]:
+) -> CheckResults:
     """Run named checks one after another in one spawn of ``world_size`` ranks.
 
     Every run costs a second or more (each rank imports its test module and traces its steps
@@ -130,10 +130,7 @@ def run_checks(
     collectives until the timeout.
 
     Args:
-        checks: ``{name: check}``, run in this order. (A plain sequence is the older form,
-            kept until tests/test_bucket_cap.py and tests/test_checkpoint_sharded.py move to
-            names: the first failure fails the whole run, and the results come back as
-            ``results[i][rank]``.)
+        checks: ``{name: check}``, run in this order.
         world_size: number of ranks.
         timeout: seconds for the whole spawn.
         env: extra environment variables for the ranks.
@@ -146,9 +143,6 @@ def run_checks(
     >>> runs["psum"]  # doctest: +SKIP
     [3.0, 3.0]
     """
-    if not isinstance(checks, Mapping):
-        per_rank = run_ranks(_run_in_order, world_size, list(checks), timeout=timeout, env=env)
-        return [[per_rank[r][i] for r in range(world_size)] for i in range(len(checks))]
     names = list(checks)
     run = _Run(_payload(_run_named, (dict(checks),)), world_size, timeout, dict(env or {}))
     spawn_error = None
@@ -238,17 +232,6 @@ class CheckResults(Mapping[str, list[Any]]):
                 pytrace=False,
             )
         return values
-
-
-def _run_in_order(checks: list[Callable[[], Any]]) -> list[Any]:
-    results = []
-    for check in checks:
-        try:
-            results.append(check())
-        except BaseException as e:
-            name = getattr(check, "__qualname__", None) or repr(check)
-            raise RuntimeError(f"check {name} failed") from e
-    return results
 
 
 def _run_named(checks: dict[str, Callable[[], Any]]) -> None:
