@@ -28,7 +28,6 @@ from fddp._collectives import ProcessAxis, process_axis
 from fddp._errors import RankFailureError
 from fddp._program_cache import ProgramCache
 from fddp._replica_guard import (
-    Origin,
     ReplicaGuard,
     describe_source,
     tensor_indices_of_arg,
@@ -151,15 +150,15 @@ class DataParallelStep:
             compiled.varying_tensors = self._replicas.varying_tensors(args, tensors)
         self._replicas.refuse_fed_back(args)
 
-    def _origins(self, compiled: Compiled, args: tuple) -> dict[int, Origin]:
-        """The per-rank output leaves of ``compiled``, learned after its first run."""
+    def _origins(self, compiled: Compiled, args: tuple) -> dict[int, tuple[str, str]]:
+        """The per-rank output leaves of ``compiled`` (path, source), learned after its first
+        run."""
         if compiled.varying_outputs is None:
             assert compiled.varying_tensors is not None  # learned before the first run
             compiled.varying_outputs = compiled.output_sources(
                 compiled.varying_tensors, tensor_paths(args)
             )
-        paths = compiled.output_paths()
-        return {j: Origin(paths[j], s) for j, s in compiled.varying_outputs.items()}
+        return compiled.varying_outputs
 
     def schedule(self, *args: Any) -> Plan:
         """The compiled plan for these arguments (captures if needed; runs nothing).
@@ -182,7 +181,7 @@ class DataParallelStep:
         replication = tuple(
             (
                 path,
-                f"per-rank (from {describe_source(compiled.varying_outputs[j])})"
+                f"per-rank (from {describe_source(compiled.varying_outputs[j][1])})"
                 if j in compiled.varying_outputs
                 else "replicated",
             )

@@ -10,7 +10,6 @@ refused before the replicas drift apart.
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from typing import Any
 
@@ -22,17 +21,6 @@ from fddp import _digests, _runtime
 from fddp._errors import ReplicaMismatchError
 from fddp._signature import leaf_paths
 from fddp._tree import leaves_with_paths
-
-
-@dataclasses.dataclass(frozen=True)
-class Origin:
-    """Why an output leaf varies across ranks: the per-rank argument leaf it comes from."""
-
-    output: str
-    source: str
-
-    def describe_source(self) -> str:
-        return describe_source(self.source)
 
 
 def describe_source(source: str) -> str:
@@ -59,7 +47,8 @@ class ReplicaGuard:
     ) -> None:
         self._name, self._group, self._argnums = name, group, argnums
         self._digest_checks_left = 2  # the first call; eager steps also the second
-        self._fed_back: dict[int, tuple[weakref.ref, Origin]] = {}
+        # per-rank output leaves of the last call: id -> (the leaf, its path, its source)
+        self._fed_back: dict[int, tuple[weakref.ref, str, str]] = {}
 
     def _checked(self, args: tuple) -> list[int]:
         return [n % len(args) for n in self._argnums if -len(args) <= n < len(args)]
@@ -104,15 +93,16 @@ class ReplicaGuard:
                     )
         return varying
 
-    def remember(self, origins: dict[int, Origin], out: Any) -> None:
-        """After a call: its per-rank output leaves (``origins``), to refuse them next time."""
+    def remember(self, varying: dict[int, tuple[str, str]], out: Any) -> None:
+        """After a call: its per-rank output leaves (index -> path, source), to refuse them
+        next time."""
         self._fed_back = {}
-        if not origins:
+        if not varying:
             return
         leaves = optree.tree_leaves(out)
-        for j, origin in origins.items():
+        for j, (path, source) in varying.items():
             if isinstance(leaves[j], torch.Tensor):
-                self._fed_back[id(leaves[j])] = (weakref.ref(leaves[j]), origin)
+                self._fed_back[id(leaves[j])] = (weakref.ref(leaves[j]), path, source)
 
     def refuse_fed_back(self, args: tuple) -> None:
         """A per-rank output of the last call passed back as a replicated argument is the
@@ -125,11 +115,11 @@ class ReplicaGuard:
                 found = self._fed_back.get(id(leaf))
                 if found is None or found[0]() is not leaf:
                     continue
-                origin = found[1]
+                _, output, source = found
                 raise ReplicaMismatchError(
-                    f"{self._name}: argument {n} leaf {path} is output leaf {origin.output} of "
+                    f"{self._name}: argument {n} leaf {path} is output leaf {output} of "
                     "the previous call, which differs between ranks: it is computed from the "
-                    f"per-rank {origin.describe_source()} with no collective in between, so the "
+                    f"per-rank {describe_source(source)} with no collective in between, so the "
                     "replicas have started to drift apart. Average the gradients with "
                     "fddp.pmean(grads) (or pmean/psum the value) before the update. Per-rank "
                     "values are fine as metrics that are only logged; arguments that may "

@@ -41,14 +41,14 @@ class Compiled:
     A Dynamo capture (``dynamo`` set) learns where each output leaf comes from on its first run,
     which goes through Dynamo. The first call also learns which tensor arguments differ across
     ranks (``varying_tensors``, before it runs) and so which outputs do (``varying_outputs``:
-    output leaf -> what it is computed from, see :meth:`output_sources`).
+    output leaf -> its path and what it is computed from, see :meth:`output_sources`).
     """
 
     program: Program
     captured: Captured
     dynamo: DynamoCapture | None
     varying_tensors: list[bool] | None = None
-    varying_outputs: dict[int, str] | None = None
+    varying_outputs: dict[int, tuple[str, str]] | None = None
 
     @property
     def first_call(self) -> bool:
@@ -107,10 +107,12 @@ class Compiled:
         assert spec is not None  # known after the first call
         return leaf_paths(optree.tree_unflatten(spec, list(range(spec.num_leaves))))
 
-    def output_sources(self, varying: list[bool], tensor_paths: list[str]) -> dict[int, str]:
+    def output_sources(
+        self, varying: list[bool], tensor_paths: list[str]
+    ) -> dict[int, tuple[str, str]]:
         """Which output leaves vary across ranks, given which tensor arguments do: output leaf
-        -> the path of a per-rank argument leaf it is computed from without a collective in
-        between (or :data:`RANK_SOURCE`)."""
+        -> its path and the path of a per-rank argument leaf it is computed from without a
+        collective in between (or :data:`RANK_SOURCE`)."""
         program, outputs, inputs = self.program, self.captured.outputs, self.captured.inputs
         assert outputs is not None  # known after the first call
         per_rank = 0  # a bit per placeholder that holds a varying argument
@@ -128,4 +130,5 @@ class Compiled:
                 elif bits & per_rank:
                     first = (bits & per_rank & -(bits & per_rank)).bit_length() - 1
                     sources[j] = tensor_paths[cast(int, inputs[first])]
-        return sources
+        paths = self.output_paths() if sources else []
+        return {j: (paths[j], source) for j, source in sources.items()}
