@@ -470,15 +470,8 @@ class _Run:
 # rank otherwise). Not Dynamo, nor torch.distributed.nn, which Dynamo imports: a rank imports
 # those after fddp.init(), as a fresh script does (see fddp/_shutdown.py), and exits through the
 # interpreter's normal shutdown.
-_PRELOAD = (
-    "torch",
-    "torch.distributed",
-    "torch.distributed._functional_collectives",
-    "fddp",
-    "fddp.optim",
-    "optree",
+DYNAMO_FREE_IMPORTS = (  # what Dynamo imports that has nothing to do with torch.distributed
     "numpy",
-    "pytest",
     "sympy",
     "torch.fx.experimental.symbolic_shapes",
     "torch._subclasses.fake_tensor",
@@ -488,6 +481,16 @@ _PRELOAD = (
     "torch.fx.experimental.proxy_tensor",
     "torch._prims",
     "torch._refs",
+)
+_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed._functional_collectives",
+    "fddp",
+    "fddp.optim",
+    "optree",
+    "pytest",
+    *DYNAMO_FREE_IMPORTS,
 )
 # FDDP_TESTS_SPAWN=1: every rank a fresh interpreter (multiprocessing spawn), importing all again.
 _SPAWN = os.environ.get("FDDP_TESTS_SPAWN") == "1"

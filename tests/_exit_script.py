@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from _dist import free_port, torchrun_env  # this script runs from tests/
+from _dist import DYNAMO_FREE_IMPORTS, free_port, torchrun_env  # this script runs from tests/
 
 import fddp
 
@@ -83,25 +83,11 @@ def _tail(path: str) -> str:
         return f.read()[-_OUTPUT_TAIL_CHARS:].decode(errors="replace")
 
 
-# Imported before forking so that each forked rank does not import them again: what Dynamo
-# (imported by torch.func.grad in main, after fddp.init) imports that has nothing to do with
-# torch.distributed. Dynamo itself and torch.distributed.nn stay out (see _forked_launches).
-_SHARED_IMPORTS = (
-    "numpy",
-    "sympy",
-    "torch.fx.experimental.symbolic_shapes",
-    "torch._subclasses.fake_tensor",
-    "torch._decomp",
-    "torch._guards",
-    "torch._logging",
-    "torch.fx.experimental.proxy_tensor",
-    "torch._prims",
-    "torch._refs",
-)
-
-
 def _forked_launches(parallel: int, timeout: float, ends: list[str]) -> None:
-    for module in _SHARED_IMPORTS:
+    # Imported before forking so that each forked rank does not import them again: what Dynamo
+    # (imported by torch.func.grad in main, after fddp.init) imports that has nothing to do with
+    # torch.distributed. Dynamo itself and torch.distributed.nn stay out (see below).
+    for module in DYNAMO_FREE_IMPORTS:
         importlib.import_module(module)
     # A fresh script imports these only after fddp.init(), which is what pins the process group
     # (see fddp/_shutdown.py); forked ranks must start from the same state.
