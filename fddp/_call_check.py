@@ -19,7 +19,7 @@ import torch.distributed as dist
 from fddp import _runtime
 from fddp._agree import Difference, DigestCheck, Line, digest, first_difference, gather_lines
 from fddp._errors import ScheduleMismatchError
-from fddp._signature import Signature, portable_lines
+from fddp._signature import Signature, leaf_paths
 
 _LINES_KEPT = 64  # signatures whose lines are kept for the next calls
 
@@ -119,7 +119,7 @@ class CallCheck:
         if key not in self._lines:
             if len(self._lines) >= _LINES_KEPT:
                 self._lines.clear()
-            arguments, _ = portable_lines(signature, args)
+            arguments = signature.lines(leaf_paths(args))
             lines = [("the request", request), *self._options, *arguments]
             self._lines[key] = (lines, digest(lines))
         lines, value = self._lines[key]

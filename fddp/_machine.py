@@ -104,9 +104,14 @@ _measured: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[torch.device, Machi
 )
 
 
+def _key(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The group the figures are kept under: ``group``, or the world for None."""
+    return group if group is not None else dist.group.WORLD
+
+
 def measured(group: dist.ProcessGroup | None, device: torch.device) -> Machine:
     """:func:`measure` once per process group and device (collective the first time)."""
-    key = group if group is not None else dist.group.WORLD
+    key = _key(group)
     assert key is not None  # the caller checked that there are several ranks
     per_device = _measured.setdefault(key, {})
     if device not in per_device:
@@ -117,7 +122,7 @@ def measured(group: dist.ProcessGroup | None, device: torch.device) -> Machine:
 def recorded(group: dist.ProcessGroup | None = None) -> list[list[float | str]]:
     """The figures measured for ``group`` (default: the world) as plain values, one row
     ``[device, world size, *figures]`` per device, for a checkpoint to carry; [] if none."""
-    key = group if group is not None else dist.group.WORLD
+    key = _key(group)
     if not dist.is_initialized() or key is None or key not in _measured:
         return []
     world = dist.get_world_size(key)
@@ -132,7 +137,7 @@ def restore(records: object, group: dist.ProcessGroup | None = None) -> None:
     measured yet: a resumed run chooses its bucket caps as the run it resumes did, so on 3 or
     more ranks it also sums every gradient in the same order. Rows that do not fit (another
     world size, a malformed row) are skipped."""
-    key = group if group is not None else dist.group.WORLD
+    key = _key(group)
     if not dist.is_initialized() or key is None or not isinstance(records, list):
         return
     world = dist.get_world_size(key)

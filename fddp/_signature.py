@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from fddp._agree import Line, digest
+from fddp._agree import Line
 from fddp._tree import path_str
 
 _PLAIN = (bool, int, float, str, type(None))
@@ -166,9 +166,3 @@ def signature_of(args: tuple) -> tuple[Signature, list[Any]]:
 def leaf_paths(args: tuple) -> list[str]:
     """Readable paths of the flat leaves of ``args``, e.g. ``[3]['x']``."""
     return [path_str(p) for p in optree.tree_paths(args)]
-
-
-def portable_lines(signature: Signature, args: tuple) -> tuple[list[Line], int]:
-    """The signature as lines ranks can compare, and their digest."""
-    lines = signature.lines(leaf_paths(args))
-    return lines, digest(lines)
