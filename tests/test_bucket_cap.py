@@ -65,13 +65,13 @@ def _machine(latency: float = 0.0, bandwidth: float = 1e15) -> Machine:
 
 def _choose(captured, machine: Machine):
     graph, members = captured
-    predict = _cost.predictor(graph, members, FIRST, machine)
+    predict = _cost.profile(graph, members).predictor(FIRST, machine)
     return CapPolicy(None, FIRST).choose(_bucket.total_bytes(members), machine, predict)
 
 
 def _predicted(captured, machine: Machine, cap: int) -> float:
     graph, members = captured
-    return _cost.predictor(graph, members, cap, machine)(cap)
+    return _cost.profile(graph, members).predictor(cap, machine)(cap)
 
 
 def test_a_slow_link_favours_buckets_that_start_during_the_backward(captured):

@@ -15,8 +15,8 @@ import functools
 import itertools
 import math
 import operator
-from collections.abc import Callable
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 from torch import fx
@@ -27,16 +27,32 @@ from fddp._schedule._graph import (
     ALL_REDUCE,
     ALL_REDUCE_INPLACE,
     WAIT,
+    add_writes,
     in_place_writes,
     is_collective,
     is_view,
     nbytes,
     positions,
-    ready_position,
+    ready_node,
     value,
 )
 
 aten = torch.ops.aten
+
+
+class Reduction(NamedTuple):
+    """What bucketing reads of a per-leaf all-reduce: where its input is ready and its result
+    first needed, what it may share a bucket with, its bytes. Plain values (see
+    ``_cost.Profile``)."""
+
+    ready: int
+    first_use: int
+    key: tuple
+    nbytes: int
+
+    @classmethod
+    def of(cls, member: Member) -> Reduction:
+        return cls(member.ready, member.first_use, tuple(map(str, member.key)), member.nbytes)
 
 
 @dataclasses.dataclass
@@ -50,6 +66,7 @@ class Member:
     first_use: int
     key: tuple
     path: str
+    nbytes: int
 
 
 @dataclasses.dataclass
@@ -74,36 +91,41 @@ def find_members(graph: fx.Graph) -> list[Member]:
         (wait,) = node.users
         if wait.target is not WAIT or not wait.users:
             continue
-        ready = ready_position(pos, writes, node.args[0], node)
+        ready = pos[ready_node(writes, node.args[0], node)]
         first_use = min(pos[u] for u in wait.users)
         source, op, group = node.args
         val = value(source)
         path = node.meta.get("custom", {}).get(LEAF_PATH, source.name)
         key = (group, op, val.dtype, val.device)
-        members.append(Member(node, wait, source, ready, first_use, key, path))
+        members.append(Member(node, wait, source, ready, first_use, key, path, nbytes(source)))
     members.sort(key=lambda m: m.ready)
     return members
 
 
-def total_bytes(members: list[Member]) -> int:
+Bucketed = TypeVar("Bucketed", Member, Reduction)
+
+
+def total_bytes(members: Sequence[Member | Reduction]) -> int:
     """The bytes of the gradients ``members`` reduce."""
-    return sum(nbytes(m.source) for m in members)
+    return sum(m.nbytes for m in members)
 
 
-def assign(members: list[Member], cap: int, first_cap: int) -> list[list[Member]]:
+def assign(members: Sequence[Bucketed], cap: int, first_cap: int) -> list[list[Bucketed]]:
     """Group members (sorted by ready position) into buckets; pure, no graph changes."""
-    open_buckets: dict[tuple, tuple[list[Member], int, int]] = {}
-    done: list[list[Member]] = []
+    open_buckets: dict[tuple, tuple[list[Bucketed], int, int]] = {}
+    done: list[list[Bucketed]] = []
+    closed_keys: set[tuple] = set()  # keys whose first bucket is done: the rest take ``cap``
     for m in members:
-        size = nbytes(m.source)
+        size = m.nbytes
         if m.key in open_buckets:
             bucket, used, deadline = open_buckets[m.key]
-            limit = first_cap if not any(m.key == b[0].key for b in done) else cap
+            limit = cap if m.key in closed_keys else first_cap
             if used < limit and m.ready < deadline:
                 bucket.append(m)
                 open_buckets[m.key] = (bucket, used + size, min(deadline, m.first_use))
                 continue
             done.append(bucket)
+            closed_keys.add(m.key)
         open_buckets[m.key] = ([m], size, m.first_use)
     done.extend(bucket for bucket, _, _ in open_buckets.values())
     done.sort(key=lambda b: max(m.ready for m in b))
@@ -139,10 +161,12 @@ def rewrite(
     the waits down to their first use.
     """
     out = []
+    writes = in_place_writes(graph)  # kept up to date as the chains add writers
     for index, bucket in enumerate(buckets):
         for m in bucket:  # an earlier bucket may have replaced the node this one reduces
             m.source = cast(fx.Node, m.collective.args[0])
-        chain = _Chain(graph, _ready_node(graph, bucket), {BUCKET: index})
+        ready = max(ready_node(writes, m.source, m.collective) for m in bucket)
+        chain = _Chain(graph, ready, {BUCKET: index}, writes)
         dtype = value(bucket[0].source).dtype
         divisors = {_divisor(m) for m in bucket}
         divisor = divisors.pop() if len(divisors) == 1 else None
@@ -256,7 +280,7 @@ def _pack_into_flat(
     producers = [d.producer for d in direct if d is not None]
     empty = (aten.empty.memory_format, [sum(sizes) + padding])
     if producers:
-        first = min(producers, key=positions(chain.graph).__getitem__)
+        first = min(producers)
         flat = chain.add_before(first, *empty, dtype=wire, device=device)
     else:
         flat = add(*empty, dtype=wire, device=device)
@@ -300,7 +324,7 @@ def pack_concatenations_in_place(graph: fx.Graph) -> None:
             continue
         if any(value(p).dim() != 1 for p in parts) or len({value(p).dtype for p in parts}) != 1:
             continue
-        chain = _Chain(graph, packed.prev, {})
+        chain = _Chain(graph, packed.prev, {}, {})
         flat = _pack_into_flat(chain, parts, None, value(parts[0]).dtype, padding)
         chain.fill_meta()
         packed.replace_all_uses_with(flat)
@@ -345,10 +369,14 @@ def _offsets(sizes: list[int]) -> list[int]:
 
 
 class _Chain:
-    """Appends new nodes one after another, starting right after ``anchor``."""
+    """Appends new nodes one after another, starting right after ``anchor``; records their
+    in-place writes in ``writes``."""
 
-    def __init__(self, graph: fx.Graph, anchor: fx.Node, meta: dict) -> None:
+    def __init__(
+        self, graph: fx.Graph, anchor: fx.Node, meta: dict, writes: dict[fx.Node, list[fx.Node]]
+    ) -> None:
         self.graph, self.anchor, self.last, self.meta = graph, anchor, anchor, meta
+        self.writes = writes
         self.nodes: list[fx.Node] = []
         self.dead: list[fx.Node] = []
 
@@ -370,6 +398,7 @@ class _Chain:
             node = self.graph.call_function(target, args, kwargs)
         node.meta.update(self.meta)
         self.nodes.append(node)
+        add_writes(self.writes, node)
         return node
 
     def add(
@@ -380,6 +409,7 @@ class _Chain:
         self.last.append(node)
         self.last = node
         self.nodes.append(node)
+        add_writes(self.writes, node)
         return node
 
     def fill_meta(self) -> None:
@@ -391,10 +421,3 @@ class _Chain:
             for node in self.nodes:
                 args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
                 node.meta["val"] = cast(Callable[..., Any], node.target)(*args, **kwargs)
-
-
-def _ready_node(graph: fx.Graph, members: list[Member]) -> fx.Node:
-    """The node after which every member's input holds the value its all-reduce would read."""
-    pos, writes = positions(graph), in_place_writes(graph)
-    ready = max(ready_position(pos, writes, m.source, m.collective) for m in members)
-    return list(graph.nodes)[ready]

@@ -8,6 +8,9 @@ waits for it. The machine's figures come measured from the runtime (``fddp._mach
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+
 import optree
 import torch
 from torch import fx
@@ -44,26 +47,61 @@ def _flops(node: fx.Node) -> float | None:
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """What the prediction needs of a graph, free of any machine's figures: per node whether it
+    costs a dispatch, its FLOPs and the bytes it moves (the FLOPs win where both are known),
+    and the all-reduces to bucket. Plain values: a program in the persistent cache keeps its
+    profile, so a restarted run chooses its cap as a fresh compile would."""
+
+    dispatched: tuple[bool, ...]
+    flops: tuple[float, ...]
+    moved: tuple[int, ...]
+    reductions: tuple[_bucket.Reduction, ...]
+
+    def seconds(self, machine: Machine) -> list[float]:
+        """Predicted seconds of each node, in graph order."""
+        return [
+            0.0
+            if not dispatched
+            else machine.seconds_per_node
+            + flops * machine.seconds_per_flop
+            + moved * machine.seconds_per_byte_moved
+            for dispatched, flops, moved in zip(self.dispatched, self.flops, self.moved)
+        ]
+
+    def predictor(self, first_cap: int, machine: Machine) -> Predict:
+        """A function from a cap to the predicted seconds of the step with that cap's buckets."""
+        seconds = self.seconds(machine)
+        reductions = list(self.reductions)
+        return lambda cap: predict(seconds, _bucket.assign(reductions, cap, first_cap), machine)
+
+
+def profile(graph: fx.Graph, members: list[_bucket.Member]) -> Profile:
+    """The graph's :class:`Profile`; collectives and waits cost nothing here (``predict``
+    counts the bucketed ones)."""
+    dispatched, flops, moved = [], [], []
+    for node in graph.nodes:
+        counted = node.op == "call_function" and not is_collective(node) and not is_wait(node)
+        node_flops = _flops(node) if counted and not is_view(node) else None
+        node_moved = 0
+        if counted and not is_view(node) and node_flops is None:
+            node_moved = sum(map(_tensor_bytes, node.all_input_nodes)) + _tensor_bytes(node)
+        dispatched.append(counted)
+        flops.append(float(node_flops or 0.0))
+        moved.append(node_moved)
+    reductions = tuple(_bucket.Reduction.of(m) for m in members)
+    return Profile(tuple(dispatched), tuple(flops), tuple(moved), reductions)
+
+
 def node_seconds(graph: fx.Graph, machine: Machine) -> list[float]:
     """Predicted seconds of each node of ``graph``, in graph order."""
-    out = []
-    for node in graph.nodes:
-        if node.op != "call_function" or is_collective(node) or is_wait(node):
-            out.append(0.0)  # the bucketed collectives are counted by ``predict``
-            continue
-        seconds = machine.seconds_per_node
-        if not is_view(node):
-            flops = _flops(node)
-            if flops is not None:
-                seconds += flops * machine.seconds_per_flop
-            else:
-                moved = sum(map(_tensor_bytes, node.all_input_nodes)) + _tensor_bytes(node)
-                seconds += moved * machine.seconds_per_byte_moved
-        out.append(seconds)
-    return out
+    return profile(graph, []).seconds(machine)
 
 
-def predict(seconds: list[float], buckets: list[list[_bucket.Member]], machine: Machine) -> float:
+def predict(
+    seconds: list[float], buckets: Sequence[Sequence[_bucket.Reduction]], machine: Machine
+) -> float:
     """Seconds of the step when ``buckets`` are reduced: compute and wire as two queues."""
     launches: dict[int, list[int]] = {}
     waits: dict[int, list[int]] = {}
@@ -89,5 +127,4 @@ def predictor(
     graph: fx.Graph, members: list[_bucket.Member], first_cap: int, machine: Machine
 ) -> Predict:
     """A function from a cap to the predicted seconds of the step with that cap's buckets."""
-    seconds = node_seconds(graph, machine)
-    return lambda cap: predict(seconds, _bucket.assign(members, cap, first_cap), machine)
+    return profile(graph, members).predictor(first_cap, machine)

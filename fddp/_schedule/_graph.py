@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TypeVar
 
 import torch
 from torch import fx
@@ -120,27 +119,33 @@ def nbytes(node: fx.Node) -> int:
 
 
 def positions(graph: fx.Graph) -> dict[fx.Node, int]:
+    """Each node's index, for costs and plans that count nodes (comparing two nodes needs
+    none: ``a < b``)."""
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
-def in_place_writes(graph: fx.Graph) -> dict[fx.Node, list[int]]:
-    """For each storage root, the positions of the nodes that write it in place."""
-    out: dict[fx.Node, list[int]] = {}
-    for i, node in enumerate(graph.nodes):
-        for arg in mutated_inputs(node):
-            out.setdefault(alias_root(arg), []).append(i)
+def in_place_writes(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
+    """For each storage root, the nodes that write it in place.
+
+    Nodes compare by their place in the graph (``a < b``: ``a`` runs first), also after a pass
+    moves them, so the lists stay true while nodes move, as long as no writer is added.
+    """
+    out: dict[fx.Node, list[fx.Node]] = {}
+    for node in graph.nodes:
+        add_writes(out, node)
     return out
 
 
-Position = TypeVar("Position", int, float)  # a node's index, or a float between two indices
+def add_writes(writes: dict[fx.Node, list[fx.Node]], node: fx.Node) -> None:
+    """Record ``node``'s in-place writes in ``writes`` (see :func:`in_place_writes`)."""
+    for arg in mutated_inputs(node):
+        writes.setdefault(alias_root(arg), []).append(node)
 
 
-def ready_position(
-    pos: dict[fx.Node, Position], writes: dict[fx.Node, list[int]], source: fx.Node, reader: fx.Node
-) -> Position:
-    """Where ``source`` holds the value ``reader`` sees: after its last write before ``reader``."""
-    earlier: list[int] = [w for w in writes.get(alias_root(source), []) if w < pos[reader]]
-    return max([pos[source], *earlier])
+def ready_node(writes: dict[fx.Node, list[fx.Node]], source: fx.Node, reader: fx.Node) -> fx.Node:
+    """The node after which ``source`` holds the value ``reader`` sees: ``source``, or its last
+    in-place write before ``reader``."""
+    return max([source, *(w for w in writes.get(alias_root(source), ()) if w < reader)])
 
 
 def remove_double_waits(graph: fx.Graph) -> None:

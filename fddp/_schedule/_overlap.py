@@ -32,8 +32,7 @@ from fddp._schedule._graph import (
     is_collective,
     is_wait,
     mutated_inputs,
-    positions,
-    ready_position,
+    ready_node,
 )
 
 
@@ -53,25 +52,23 @@ def _unpack_chain(wait: fx.Node) -> list[fx.Node]:
 def sink_waits(graph: fx.Graph) -> None:
     """Move every wait, with its unpacking nodes, to just before the first node that needs it."""
     for wait in [n for n in graph.nodes if is_wait(n)]:
-        pos = positions(graph)
-        chain = sorted(_unpack_chain(wait), key=pos.__getitem__)
+        chain = sorted(_unpack_chain(wait))
         members = set(chain)
         consumers = [u for n in chain for u in n.users if u not in members]
         if not consumers:
             continue
-        first = min(consumers, key=pos.__getitem__)
+        first = min(consumers)
         for node in chain:
             first.prepend(node)
 
 
 def hoist_launches(graph: fx.Graph) -> None:
     """Move each collective to just after its inputs are ready (and their last in-place write)."""
+    writes = in_place_writes(graph)  # moving a launch adds no writer
     for launch in [n for n in graph.nodes if is_collective(n)]:
-        pos, writes = positions(graph), in_place_writes(graph)
-        sources = [a for a in launch.all_input_nodes]
-        ready = max(ready_position(pos, writes, s, launch) for s in sources)
-        if ready < pos[launch] - 1:
-            list(graph.nodes)[ready].append(launch)
+        ready = max(ready_node(writes, s, launch) for s in launch.all_input_nodes)
+        if ready.next is not launch:
+            ready.append(launch)
 
 
 _CHEAP = {"add", "sub", "mul", "div", "neg", "view", "reshape", "t", "_unsafe_view", "clone"}
@@ -102,20 +99,11 @@ def hoist_gradient_sums(graph: fx.Graph) -> None:
         if node not in cone and _cheap(node):
             cone.add(node)
             stack.extend(node.all_input_nodes)
-    pos: dict[fx.Node, float] = dict(positions(graph))
     writes = in_place_writes(graph)  # cheap ops write nothing, so moving them keeps these
-    for node in sorted(cone, key=pos.__getitem__):
-        ready = max(ready_position(pos, writes, a, node) for a in node.all_input_nodes)
-        anchor = max((a for a in node.all_input_nodes if pos[a] == ready), default=None)
-        if anchor is None:  # ready after an in-place write: find the writer by position
-            anchor = next(n for n in graph.nodes if pos[n] == ready)
-        if anchor.next is node:
-            continue
-        between = (pos[anchor] + pos[anchor.next]) / 2
-        anchor.append(node)
-        pos[node] = between
-        if not pos[anchor] < between < pos[node.next]:  # floats ran out: number them again
-            pos, writes = dict(positions(graph)), in_place_writes(graph)
+    for node in sorted(cone):
+        anchor = max(ready_node(writes, a, node) for a in node.all_input_nodes)
+        if anchor.next is not node:
+            anchor.append(node)
 
 
 def overlap(graph: fx.Graph) -> None:
