@@ -26,6 +26,7 @@ from fddp._errors import (
 from fddp._grad import grad, value_and_grad
 from fddp._module import functional, state
 from fddp._pending import block_until_ready
+from fddp._persistent_cache import cache_dir, set_cache_dir
 from fddp._powersgd import powersgd
 from fddp._runtime import init, rank, replicate, shard, world_size
 from fddp._timeline import plot_timeline
@@ -47,6 +48,7 @@ __all__ = [
     "axis_size",
     "block_until_ready",
     "broadcast",
+    "cache_dir",
     "data",
     "data_parallel",
     "functional",
@@ -65,6 +67,7 @@ __all__ = [
     "replicate",
     "save",
     "save_sharded",
+    "set_cache_dir",
     "shard",
     "state",
     "value_and_grad",

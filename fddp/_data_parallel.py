@@ -20,7 +20,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp import _axes, _machine, _pending, _runtime, _step_lock, _timeline
+from fddp import _axes, _machine, _pending, _persistent_cache, _runtime, _step_lock, _timeline
 from fddp._agree import Line, find_difference
 from fddp._bucket_policy import CapPolicy
 from fddp._call_check import CallCheck
@@ -65,6 +65,9 @@ class DataParallelStep:
         if not hasattr(self, "__name__"):  # a functools.partial or another callable object
             self.__name__ = _qualified_name(step_fn).rpartition(".")[2]
         self._step_fn = step_fn
+        self._described = described
+        self._unsaved: dict[Signature, _persistent_cache.Key] = {}  # to write after a first run
+        self._capture_method = "make_fx"  # "dynamo" once make_fx failed: it is not tried again
         self._axis_name = axis_name
         self._options = options
         self._donate_argnums = donate_argnums
@@ -134,6 +137,9 @@ class DataParallelStep:
         self._before_run(compiled, args, tensors)
         with _timeline.step_range() if self._profiling else contextlib.nullcontext():
             out = compiled.run(args, tensors, check.settle, self._axis(traced=True))
+        key = self._unsaved.pop(signature, None)
+        if key is not None:
+            _persistent_cache.save(key, compiled)
         self._replicas.remember(self._origins(compiled, args), out)
         return out
 
@@ -216,19 +222,38 @@ class DataParallelStep:
         """Capture and schedule the step for ``signature`` (every rank at once: it measures
         the link on the group's first compile and compares what the ranks compiled)."""
         self._programs.note_compile(signature, args)
-        tensors = [x for x in optree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+        leaves = optree.tree_leaves(args)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         machine = self._measured_machine(tensors)  # before a capture error can split the ranks
+        donated = _donated_leaves(args, self._donate_argnums)
+        key = None
+        if not self._options.overlap_steps:
+            key = _persistent_cache.key_for(
+                self._step_fn, signature, leaves, self._described, donated, self._group
+            )
+        device = _device(tensors)
+        agreed_cap = self._agreed_cap(key, machine, device)
         with _axes.bind(self._axis(traced=True)):
             compiled = _pipeline.compile_step(
                 self._step_fn,
                 args,
                 tensors,
                 self._options,
-                _donated_leaves(args, self._donate_argnums),
+                donated,
                 machine,
                 self._compare,
                 self.__name__,
+                cached=None
+                if key is None
+                else functools.partial(
+                    _persistent_cache.load, key, self._options, machine, device, agreed_cap
+                ),
+                agreed_cap=agreed_cap,
+                method=self._capture_method,
             )
+        self._capture_method = compiled.captured.method
+        if key is not None and not compiled.from_cache:
+            self._unsaved[signature] = key
         _runtime.log_rank0(
             "data_parallel: compiled %s (captured with %s)\n%s",
             self.__name__,
@@ -240,6 +265,25 @@ class DataParallelStep:
         self._programs.put(signature, compiled)
         return compiled
 
+    def _agreed_cap(
+        self,
+        key: _persistent_cache.Key | None,
+        machine: _machine.Machine | None,
+        device: torch.device,
+    ) -> int | None:
+        """Where the cost model chooses the cap on several ranks, every rank takes the cap that
+        rank 0 proposes from its persistent cache (a broadcast at each compile, whether or not
+        a rank has the cache on); None where rank 0 has no cached program for the step."""
+        if machine is None:
+            return None
+        proposed = -1
+        if _runtime.rank(self._group) == 0:
+            restored = _machine.restored(self._group, device)
+            proposed = _persistent_cache.proposal(key, self._options, machine, restored)
+        cap = torch.tensor([proposed], dtype=torch.int64, device=device)
+        dist.broadcast(cap, group=self._group, group_src=0)
+        return None if int(cap) < 0 else int(cap)
+
     def _compare(self, lines: list[Line]) -> Any:
         return find_difference(lines, self._group) if _runtime.world_size(self._group) > 1 else None
 
@@ -248,8 +292,13 @@ class DataParallelStep:
         group's first compile, a collective); None when the policy needs none."""
         if not self._options.cap.measures(_runtime.world_size(self._group)):
             return None
-        device = next((t.device for t in tensors if t.is_floating_point()), None)
-        return _machine.measured(self._group, device or _runtime.local_device())
+        return _machine.measured(self._group, _device(tensors))
+
+
+def _device(tensors: list[torch.Tensor]) -> torch.device:
+    """Where the step computes: its first floating-point argument's device."""
+    device = next((t.device for t in tensors if t.is_floating_point()), None)
+    return device or _runtime.local_device()
 
 
 def _donated_leaves(args: tuple, argnums: tuple[int, ...]) -> set[int]:

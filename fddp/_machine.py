@@ -104,6 +104,11 @@ _measured: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[torch.device, Machi
 )
 
 
+_restored: weakref.WeakKeyDictionary[dist.ProcessGroup, set[torch.device]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def _key(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """The group the figures are kept under: ``group``, or the world for None."""
     return group if group is not None else dist.group.WORLD
@@ -150,4 +155,12 @@ def restore(records: object, group: dist.ProcessGroup | None = None) -> None:
             device, figures = torch.device(row[0]), [float(x) for x in row[2:]]
         except (RuntimeError, TypeError, ValueError):
             continue
-        per_device.setdefault(device, Machine(*figures))
+        if device not in per_device:
+            per_device[device] = Machine(*figures)
+            _restored.setdefault(key, set()).add(device)
+
+
+def restored(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether the figures for ``group`` and ``device`` came from a checkpoint (:func:`restore`)."""
+    key = _key(group)
+    return key is not None and device in _restored.get(key, ())

@@ -19,6 +19,7 @@ from _compare import assert_trees_close, assert_trees_equal
 from torch import nn
 
 import fddp
+from fddp._schedule import _capture
 
 
 def _lstm_model(
@@ -111,6 +112,35 @@ def test_dynamo_path_first_and_second_order_gradients_match_eager():
         for _ in range(2):  # the first call runs through Dynamo, the second the graph alone
             assert_trees_close(pstep(w, x), fn(w, x))
         assert pstep.schedule(w, x).captured_with == "dynamo"
+
+
+def test_a_step_that_needed_dynamo_is_not_traced_with_make_fx_again(monkeypatch):
+    """A retrace (a new batch shape) of a step make_fx could not trace goes to Dynamo at once:
+    the make_fx attempt would fail again, after tracing up to the failing line."""
+    attempts = []
+    make_fx_trace = _capture.trace_with_make_fx
+
+    def counted(*args, **kwargs):
+        attempts.append(1)
+        return make_fx_trace(*args, **kwargs)
+
+    monkeypatch.setattr(_capture, "trace_with_make_fx", counted)
+    torch.manual_seed(0)
+    w = torch.randn(4, 4)
+
+    def step(w, x):
+        def loss(w):
+            _only_dynamo_can_trace(x)
+            return torch.tanh(x @ w).pow(2).sum()
+
+        return w - 0.1 * fddp.pmean(fddp.grad(loss)(w))
+
+    pstep = fddp.data_parallel(step)
+    for rows in (3, 5):
+        x = torch.randn(rows, 4)
+        assert_trees_close(pstep(w, x), step(w, x))
+        assert pstep.schedule(w, x).captured_with == "dynamo"
+    assert len(attempts) == 1 and pstep.retraces == 1
 
 
 def _operator_wrapper_calls(fn, *args):

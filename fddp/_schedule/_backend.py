@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import linecache
 import re
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +19,10 @@ Runner = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
 def fx_runner(gm: fx.GraphModule) -> Runner:
     """Run the graph's generated Python code; each collective launches where it stands."""
-    forward = direct_calls(gm)
+    return as_runner(direct_calls(gm))
+
+
+def as_runner(forward: Callable[..., Any]) -> Runner:
     return lambda inputs: forward(*inputs)
 
 
@@ -24,7 +30,34 @@ def fx_runner(gm: fx.GraphModule) -> Runner:
 _OP_CALL = re.compile(r"\btorch\.ops\.(\w+)\.(\w+)\.(\w+)\(")
 
 
-def direct_calls(gm: fx.GraphModule) -> Callable[..., Any]:
+@dataclasses.dataclass(frozen=True)
+class Generated:
+    """A graph's forward as a code object and the globals it runs with; ``operators`` names
+    the globals bound to an operator (namespace, name, overload), the rest are FX's."""
+
+    code: types.CodeType
+    fx_globals: dict[str, Any]
+    operators: dict[str, tuple[str, str, str]]
+    source: str  # for tracebacks
+
+    def forward(self, holder: Any) -> Callable[..., Any]:
+        """The forward bound to ``holder`` (what the code reads as ``self``: the graph
+        module, or anything that holds its constants)."""
+        namespace = {**self.fx_globals, **{n: _entry(*op) for n, op in self.operators.items()}}
+        filename, lines = self.code.co_filename, self.source.splitlines(keepends=True)
+        linecache.cache[filename] = (len(self.source), None, lines, filename)
+        exec(self.code, namespace)
+        return functools.partial(namespace["forward"], holder)
+
+
+def _entry(namespace: str, name: str, overload: str) -> Any:
+    """The operator's C++ entry point where its Python ``__call__`` only forwards to it."""
+    found = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+    plain = type(found).__call__ is torch._ops.OpOverload.__call__
+    return found._op if plain else found
+
+
+def generate(gm: fx.GraphModule) -> Generated:
     """``gm``'s forward, with each operator bound as a global and called without its Python
     wrapper.
 
@@ -33,23 +66,22 @@ def direct_calls(gm: fx.GraphModule) -> Callable[..., Any]:
     goes straight to the operator's C++ entry point (what ``__call__`` forwards to), so a graph
     of many small nodes runs closer to eager. Same operators, same order, same results.
     """
-    gm.recompile()
     code = gm.graph.python_code(root_module="self")
-    bound: dict[str, Any] = {}
+    operators: dict[str, tuple[str, str, str]] = {}
 
     def bind(match: re.Match) -> str:
-        overload = getattr(getattr(getattr(torch.ops, match[1]), match[2]), match[3])
         name = f"_op_{match[1]}_{match[2]}_{match[3]}"
-        plain = type(overload).__call__ is torch._ops.OpOverload.__call__
-        bound[name] = overload._op if plain else overload
+        operators[name] = (match[1], match[2], match[3])
         return name + "("
 
     src = _OP_CALL.sub(bind, code.src)
-    filename = f"<fddp graph {id(gm):x}>"
-    linecache.cache[filename] = (len(src), None, src.splitlines(keepends=True), filename)
-    namespace = {**code.globals, **bound}
-    exec(compile(src, filename, "exec"), namespace)
-    return functools.partial(namespace["forward"], gm)
+    filename = f"<fddp graph {hashlib.sha1(src.encode()).hexdigest()[:12]}>"
+    return Generated(compile(src, filename, "exec"), dict(code.globals), operators, src)
+
+
+def direct_calls(gm: fx.GraphModule) -> Callable[..., Any]:
+    """``gm``'s forward as :func:`generate` writes it, bound to ``gm``."""
+    return generate(gm).forward(gm)
 
 
 # Inductor would otherwise reorder for peak memory, pulling each bucket's optimizer update (and
@@ -78,6 +110,10 @@ def inductor_runner(gm: fx.GraphModule) -> Runner:
     return run
 
 
-def build(gm: fx.GraphModule, backend: str) -> Runner:
-    """Run ``gm`` as Python code (``"fx"``) or compiled by Inductor (``"inductor"``)."""
-    return inductor_runner(gm) if backend == "inductor" else fx_runner(gm)
+def build(gm: fx.GraphModule, backend: str) -> tuple[Runner, Generated | None]:
+    """Run ``gm`` as Python code (``"fx"``, whose generated code comes back too) or compiled
+    by Inductor (``"inductor"``)."""
+    if backend == "inductor":
+        return inductor_runner(gm), None
+    generated = generate(gm)
+    return as_runner(generated.forward(gm)), generated

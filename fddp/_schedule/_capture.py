@@ -56,7 +56,7 @@ class Captured:
     :meth:`DynamoCapture.run_once`). The graph itself is rewritten in place by the scheduler.
     """
 
-    graph: fx.GraphModule
+    graph: fx.GraphModule | None  # None for a program loaded from the persistent cache
     inputs: list[int | torch.Tensor]
     seconds: float
     outputs: list[tuple[str, Any]] | None = None
@@ -480,18 +480,27 @@ def _explain(error: BaseException, make_fx_error: BaseException | None) -> str:
 
 
 def capture(
-    fn: Callable[..., Any], args: tuple, tensors: list[torch.Tensor], *, fused_backward: bool
+    fn: Callable[..., Any],
+    args: tuple,
+    tensors: list[torch.Tensor],
+    *,
+    fused_backward: bool,
+    method: str = "make_fx",
 ) -> tuple[Captured, DynamoCapture | None]:
     """make_fx first; Dynamo for steps make_fx cannot trace (Hugging Face models branch on
-    tensor values unless Dynamo compiles them). The Dynamo capture comes back too: its first
-    run goes through Dynamo (:meth:`DynamoCapture.run_once`).
+    tensor values unless Dynamo compiles them), or at once when ``method`` is ``"dynamo"``
+    (the step needed it before: its make_fx attempt would fail again, after seconds of
+    tracing). The Dynamo capture comes back too: its first run goes through Dynamo
+    (:meth:`DynamoCapture.run_once`).
 
     Raises:
         UsageError: a mistake fddp names itself, as it is.
         CaptureError: what both make_fx and Dynamo said.
     """
+    make_fx_error: BaseException | None = None
     try:
-        return trace_with_make_fx(fn, args, fused_backward=fused_backward), None
+        if method != "dynamo":
+            return trace_with_make_fx(fn, args, fused_backward=fused_backward), None
     except UsageError:
         raise
     except Exception as e:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from fddp._agree import Difference, Line
-from fddp._bucket_policy import CapPolicy
+from fddp._bucket_policy import CapPolicy, Choice
 from fddp._errors import ScheduleMismatchError
 from fddp._machine import Machine
 from fddp._schedule import (
@@ -45,7 +45,11 @@ class Options:
 
 
 def schedule_graph(
-    captured: Captured, options: Options, donated: set[int], machine: Machine | None = None
+    captured: Captured,
+    options: Options,
+    donated: set[int],
+    machine: Machine | None = None,
+    agreed_cap: int | None = None,
 ) -> Program:
     """Bucket, overlap and reinplace the captured graph, then build its runner.
 
@@ -54,14 +58,14 @@ def schedule_graph(
     (None in a world of one: a sixteenth of the gradient bytes).
     """
     gm = captured.graph
+    assert gm is not None  # a capture, not a loaded program
     graph = gm.graph
     output_dependencies, rank_bit = _replication.dependencies(graph)
     _overlap.hoist_gradient_sums(graph)
     members = _bucket.find_members(graph)
-    first, machine = options.cap.first, machine if members else None
-    predict = _cost.predictor(graph, members, first, machine) if machine else None
-    cap = options.cap.choose(_bucket.total_bytes(members), machine, predict)
-    buckets = _bucket.assign(members, cap.cap, first)
+    profile = _cost.profile(graph, members)
+    cap = choose_cap(profile, options.cap, machine, agreed_cap)
+    buckets = _bucket.assign(members, cap.cap, options.cap.first)
     in_place = options.in_place
     bucket_nodes = _bucket.rewrite(graph, buckets, options.comm_dtype, functional=not in_place)
     if in_place:
@@ -84,10 +88,38 @@ def schedule_graph(
     gm.recompile()
     plan = _plan.describe(graph, bucket_nodes, captured.seconds, captured.method)
     plan = dataclasses.replace(plan, bucket_cap=str(cap) if members else "")
-    runner = _backend.build(gm, options.backend)
+    runner, generated = _backend.build(gm, options.backend)
     sequence = _plan.collective_sequence(graph)
     return Program(
-        gm, plan, sequence, runner, output_dependencies, rank_bit, across_steps, gate is not None
+        lambda: gm,
+        plan,
+        sequence,
+        runner,
+        output_dependencies,
+        rank_bit,
+        profile,
+        cap.cap,
+        across_steps,
+        gate is not None,
+        generated,
+    )
+
+
+def choose_cap(
+    profile: _cost.Profile, policy: CapPolicy, machine: Machine | None, agreed: int | None = None
+) -> Choice:
+    """The bucket cap for a graph of ``profile`` (the cost model needs a ``machine``), or the
+    ``agreed`` one: the cap of the programs the persistent cache holds, which the ranks take
+    from rank 0 (``fddp._persistent_cache.proposal``)."""
+    machine = machine if profile.reductions else None
+    predict = profile.predictor(policy.first, machine) if machine else None
+    choice = policy.choose(_bucket.total_bytes(profile.reductions), machine, predict)
+    if agreed is None or agreed == choice.cap:
+        return choice
+    return Choice(
+        agreed,
+        "kept from the programs this step cached (fddp.set_cache_dir), which the cost model "
+        "chose when they were compiled",
     )
 
 
@@ -103,10 +135,15 @@ def compile_step(
     machine: Machine | None,
     compare: Compare,
     name: str,
+    cached: Callable[[], Compiled | None] | None = None,
+    agreed_cap: int | None = None,
+    method: str = "make_fx",
 ) -> Compiled:
-    """Capture and schedule ``step_fn(*args)``, then compare the outcome across ranks.
+    """Capture and schedule ``step_fn(*args)`` (or take what ``cached`` returns, a program
+    from the persistent cache), then compare the outcome across ranks.
 
-    ``compare`` compares labelled lines across the ranks (a collective). Every rank learns
+    ``method`` is how this step was captured before (see ``capture``). ``compare`` compares
+    labelled lines across the ranks (a collective). Every rank learns
     every rank's capture outcome and collective sequence: a capture error on one rank is raised
     on every rank (the others name it), and ranks that compiled different collective
     sequences raise instead of running them into a hang.
@@ -114,8 +151,13 @@ def compile_step(
     error: Exception | None = None
     compiled: Compiled | None = None
     try:
-        captured, dynamo = capture(step_fn, args, tensors, fused_backward=options.in_place)
-        compiled = Compiled(schedule_graph(captured, options, donated, machine), captured, dynamo)
+        compiled = cached() if cached is not None else None
+        if compiled is None:
+            captured, dynamo = capture(
+                step_fn, args, tensors, fused_backward=options.in_place, method=method
+            )
+            program = schedule_graph(captured, options, donated, machine, agreed_cap)
+            compiled = Compiled(program, captured, dynamo)
     except Exception as e:  # every rank must learn about it before anyone runs a collective
         error = e
     status = f"failed with {type(error).__name__}: {error}" if error else "captured"

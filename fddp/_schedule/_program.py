@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -11,7 +12,7 @@ import torch
 from torch import fx
 
 from fddp import _axes
-from fddp._schedule import _across_steps, _backend, _gate, _plan
+from fddp._schedule import _across_steps, _backend, _cost, _gate, _plan
 from fddp._schedule._capture import Captured, DynamoCapture
 from fddp._signature import leaf_paths
 
@@ -22,16 +23,24 @@ RANK_SOURCE = "the rank (fddp.axis_index, or a psum_scatter block)"
 class Program:
     """A scheduled graph ready to run, with its plan, its collective sequence, and for each
     graph output the placeholders it depends on without a collective in between (see
-    ``_replication.dependencies``)."""
+    ``_replication.dependencies``). ``graph_of`` returns the graph (a program loaded from the
+    persistent cache builds it when asked)."""
 
-    graph: fx.GraphModule
+    graph_of: Callable[[], fx.GraphModule]
     schedule: _plan.Plan
     sequence: list[str]
     run: _backend.Runner
     output_dependencies: list[int]
     rank_bit: int
+    profile: _cost.Profile  # what the cap was chosen from
+    cap: int
     across_steps: _across_steps.AcrossSteps | None = None  # overlap_steps=True, if any wait
     gated: bool = False  # a gate settles the call's signature check before the first collective
+    generated: _backend.Generated | None = None  # the fx backend's code
+
+    @functools.cached_property
+    def graph(self) -> fx.GraphModule:
+        return self.graph_of()
 
 
 @dataclasses.dataclass
@@ -49,6 +58,7 @@ class Compiled:
     dynamo: DynamoCapture | None
     varying_tensors: list[bool] | None = None
     varying_outputs: dict[int, tuple[str, str]] | None = None
+    from_cache: bool = False  # loaded from the persistent program cache
 
     @property
     def first_call(self) -> bool:

@@ -1,0 +1,331 @@
+"""Compiled programs on disk, for a restarted process to run without capturing again.
+
+Off unless a directory is given (``fddp.set_cache_dir`` or ``FDDP_CACHE_DIR``). A program is
+keyed by everything its trace could depend on: the step's fingerprint (its code and what that
+code reaches, see ``_fingerprint``), the arguments' signature, the options, the donated
+arguments, the rank, world size and process group, and the versions of Python, torch, optree and
+fddp's own source. Tensors the graph holds as constants are found again where the step reaches
+them and their values checked, so an edited constant compiles afresh.
+
+Beside each program lies its cost profile, so a loaded program's bucket cap is chosen from
+this run's measured link exactly as a fresh compile would choose it; a program is kept per cap.
+
+Writes are atomic (a temporary file renamed into place), so concurrent ranks and jobs share a
+directory. A program is run as it is read, so the directory must belong to the user and be
+writable by nobody else (otherwise the cache is not used and a warning says why), and each file
+carries an authentication code under a key kept in the directory: a file this cache did not
+write (copied from elsewhere, or crafted) is ignored, never unpickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import io
+import os
+import pickle
+import platform
+import secrets
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+
+from fddp import _runtime
+from fddp._digests import digests
+from fddp._fingerprint import (
+    Fingerprint,
+    Unfingerprintable,
+    fddp_source_digest,
+    fingerprint,
+    locate,
+)
+from fddp._machine import Machine
+from fddp._schedule import _cost, _pipeline, _store
+from fddp._schedule._program import Compiled
+from fddp._signature import Signature, TensorSpec
+
+ENV = "FDDP_CACHE_DIR"
+_UNSET = object()
+_directory: Any = _UNSET
+_refused: set[str] = set()  # directories already warned about
+
+
+def set_cache_dir(path: str | os.PathLike | None) -> None:
+    """Keep compiled programs in ``path`` for later processes (None: keep none).
+
+    A restarted job with the same step code, model, argument signature, options, world size and
+    versions loads its programs from there instead of capturing and scheduling the step again
+    (the first call of a 32-layer transformer goes from seconds to a fraction of one). Off by
+    default; the environment variable ``FDDP_CACHE_DIR`` turns it on for a whole job. The
+    directory is created private to the user; one that others can write to is not used.
+
+    The key covers what the step's code reaches through its closures, globals, defaults and
+    attributes; state the step reads elsewhere (a flag in another module, an environment
+    variable the model reads) is not seen: clear the directory after changing such state.
+    """
+    global _directory
+    _directory = None if path is None else os.fspath(path)
+
+
+def cache_dir() -> str | None:
+    """The directory :func:`set_cache_dir` (or ``FDDP_CACHE_DIR``) named, None when off."""
+    if _directory is _UNSET:
+        return os.environ.get(ENV) or None
+    return _directory
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    digest: str
+    fingerprint: Fingerprint
+    roots: tuple[Any, ...]
+    directory: Path
+
+    def profile_path(self) -> Path:
+        return self.directory / f"{self.digest}.profile"
+
+    def program_path(self, cap: int) -> Path:
+        return self.directory / f"{self.digest}.cap{cap}.program"
+
+
+def _usable(directory: str) -> Path | None:
+    """``directory``, created private if missing; None (warned once) if others can write it."""
+    path = Path(directory).expanduser() / f"fddp-v{_store.FORMAT}"
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        status = path.stat()
+    except OSError as e:
+        _refuse(directory, f"it cannot be created ({e})")
+        return None
+    if hasattr(os, "getuid") and status.st_uid != os.getuid():
+        _refuse(directory, "it belongs to another user")
+        return None
+    if status.st_mode & 0o022:
+        _refuse(directory, "others can write to it (chmod go-w)")
+        return None
+    return path
+
+
+def _refuse(directory: str, why: str) -> None:
+    if directory not in _refused:
+        _refused.add(directory)
+        warnings.warn(
+            f"fddp: not using the program cache {directory}: {why}; programs are run as "
+            "they are read, so the directory must be the user's own.",
+            stacklevel=5,
+        )
+
+
+def _signature_text(signature: Signature) -> list[str]:
+    texts = [str(signature.tree)]
+    for i, leaf in enumerate(signature.leaves):
+        texts.append(leaf.portable(i) + (f" {leaf.device}" if type(leaf) is TensorSpec else ""))
+    return texts
+
+
+def key_for(
+    step_fn: Any,
+    signature: Signature,
+    leaves: list[Any],
+    described: list[tuple[str, str]],
+    donated: set[int],
+    group: dist.ProcessGroup | None,
+) -> Key | None:
+    """The cache key of compiling ``step_fn`` for ``signature``; None when the cache is off or
+    the step reaches too much to fingerprint."""
+    directory = cache_dir()
+    if directory is None:
+        return None
+    path = _usable(directory)
+    if path is None:
+        return None
+    roots = (step_fn, tuple(x for x in leaves if not isinstance(x, torch.Tensor)))
+    try:
+        found = fingerprint(*roots)
+    except Unfingerprintable as e:
+        _runtime.log_rank0("data_parallel: not caching the program: %s", e)
+        return None
+    world = _runtime.world_size(group)
+    parts = [
+        _store.FORMAT,
+        fddp_source_digest(),
+        torch.__version__,
+        optree.__version__,
+        sys.version,
+        platform.machine(),
+        found.digest,
+        _signature_text(signature),
+        described,
+        sorted(donated),
+        world,
+        _runtime.rank(group),
+        _group_text(group) if world > 1 else "",
+    ]
+    digest = hashlib.sha256(repr(parts).encode()).hexdigest()
+    return Key(digest, found, roots, path)
+
+
+def _group_text(group: dist.ProcessGroup | None) -> str:
+    chosen = group or dist.group.WORLD
+    return f"{dist.get_backend(chosen)} {getattr(chosen, 'group_name', '')}"
+
+
+def _digest(t: torch.Tensor) -> list[int]:
+    return [int(x) for x in digests([t])[0]]
+
+
+def save(key: Key, compiled: Compiled) -> None:
+    """Write ``compiled`` (after its first run) and its profile under ``key``; a program this
+    format cannot write is left out, with a log line."""
+    try:
+        stored = _store.encode(compiled.program, compiled.captured)
+    except _store.NotStorable as e:
+        _runtime.log_rank0("data_parallel: not caching the program: %s", e)
+        return
+    located, tensors = {}, {}
+    for name, tensor in stored.constants.items():
+        path = key.fingerprint.tensors.get(id(tensor))
+        if path is None:
+            tensors[name] = tensor.detach().cpu()
+        else:
+            located[name] = (path, tuple(tensor.shape), str(tensor.dtype), _digest(tensor))
+    buffer = io.BytesIO()
+    torch.save(tensors, buffer)
+    program = {
+        "stored": dataclasses.replace(stored, constants={}),
+        "tensors": buffer.getvalue(),
+        "located": located,
+    }
+    _write(key, key.program_path(compiled.program.cap), program)
+    profile = {"profile": compiled.program.profile, "cap": compiled.program.cap}
+    _write(key, key.profile_path(), profile)
+
+
+def _secret(directory: Path) -> bytes:
+    """This directory's key for the files' authentication codes, created on first use: a file
+    that another cache wrote (copied in, or crafted) is not read."""
+    path = directory / ".key"
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        pass
+    fd, temporary = tempfile.mkstemp(dir=directory, prefix=".writing-")
+    with os.fdopen(fd, "wb") as f:
+        f.write(secrets.token_bytes(32))
+    try:
+        os.link(temporary, path)  # fails if another process made it first: theirs is kept
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(temporary)
+    return path.read_bytes()
+
+
+def _write(key: Key, path: Path, payload: dict) -> None:
+    data = pickle.dumps(payload, protocol=4)
+    mac = hmac.new(_secret(key.directory), data, hashlib.sha256).digest()
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".writing-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(mac + data)
+        os.replace(temporary, path)
+    except OSError as e:
+        _runtime.log_rank0("data_parallel: could not write the program cache: %s", e)
+        Path(temporary).unlink(missing_ok=True)
+
+
+def _read(key: Key, path: Path) -> dict | None:
+    """The payload at ``path`` if this cache wrote it and it is intact, else None."""
+    try:
+        if hasattr(os, "getuid") and path.stat().st_uid != os.getuid():
+            return None
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    mac, data = raw[:32], raw[32:]
+    expected = hmac.new(_secret(key.directory), data, hashlib.sha256).digest()
+    if not hmac.compare_digest(mac, expected):
+        _runtime.log_rank0("data_parallel: ignoring cache file %s: not written by this cache", path)
+        return None
+    try:
+        payload = pickle.loads(data)
+    except Exception as e:  # a class the program names is gone from the code
+        _runtime.log_rank0("data_parallel: ignoring cache file %s: %s", path, e)
+        return None
+    return payload if isinstance(payload, dict) else None
+
+
+def _profile(key: Key) -> tuple[_cost.Profile, int] | None:
+    entry = _read(key, key.profile_path())
+    if entry is None or not isinstance(entry.get("profile"), _cost.Profile):
+        return None
+    return entry["profile"], entry["cap"]
+
+
+def proposal(key: Key | None, options: _pipeline.Options, machine: Machine, restored: bool) -> int:
+    """The cap rank 0 proposes for every rank's programs, -1 for none: the cap of the programs
+    cached under ``key``, so that noise in the measured link does not choose another one;
+    with figures restored from a checkpoint, the cap they choose (as the saved run did)."""
+    found = _profile(key) if key is not None else None
+    if found is None:
+        return -1
+    profile, cached_cap = found
+    return _pipeline.choose_cap(profile, options.cap, machine).cap if restored else cached_cap
+
+
+def load(
+    key: Key,
+    options: _pipeline.Options,
+    machine: Machine | None,
+    device: torch.device,
+    agreed_cap: int | None = None,
+) -> Compiled | None:
+    """The program stored under ``key`` for the ``agreed_cap`` (else the cap this run would
+    choose), or None."""
+    start = time.perf_counter()
+    found = _profile(key)
+    if found is None:
+        return None
+    profile, _ = found
+    choice = _pipeline.choose_cap(profile, options.cap, machine, agreed_cap)
+    payload = _read(key, key.program_path(choice.cap))
+    if payload is None:
+        return None
+    constants = torch.load(io.BytesIO(payload["tensors"]), weights_only=True)
+    constants = {name: t.to(device) for name, t in constants.items()}
+    for name, (path, shape, dtype, digest) in payload["located"].items():
+        tensor = _find(key.roots, path)
+        if tensor is None or (tuple(tensor.shape), str(tensor.dtype)) != (tuple(shape), dtype):
+            return None
+        if _digest(tensor) != list(digest):
+            return None  # a constant the step reads changed: its values are in the graph
+        constants[name] = tensor
+    stored = dataclasses.replace(payload["stored"], constants=constants)
+    try:
+        program, captured = _store.decode(stored, options.backend)
+    except _store.NotStorable as e:
+        _runtime.log_rank0("data_parallel: ignoring a cached program: %s", e)
+        return None
+    plan = dataclasses.replace(
+        program.schedule,
+        bucket_cap=str(choice) if profile.reductions else "",
+        capture_seconds=time.perf_counter() - start,
+    )
+    program = dataclasses.replace(program, schedule=plan)
+    return Compiled(program, captured, None, from_cache=True)
+
+
+def _find(roots: tuple[Any, ...], path: Any) -> torch.Tensor | None:
+    try:
+        found = locate(roots, tuple(tuple(step) for step in path))
+    except LookupError:
+        return None
+    return found if isinstance(found, torch.Tensor) else None
