@@ -4,9 +4,11 @@ shard_state's reduce-scatters and all-gathers.
 A cap set by the user is used as it is. The default, the rule of thumb, is a sixteenth of all
 the bytes to reduce, within [the first bucket's cap, DDP's 25 MiB], which makes about 8 to 16
 buckets (a bucket closes once it reaches the cap). Where the link has been measured it is also
-no smaller than a bucket whose transfer takes five link latencies, and a cost model may
-overrule it: only where its predictions differ by more than the model's resolution (5 %), and
-then the cap nearest the rule of thumb among those within 5 % of the fastest wins.
+no smaller than a bucket whose transfer takes five link latencies, above 25 MiB too (a ring
+all-reduce over many ranks pays its latency per rank: on 1,024 ranks a 25 MiB bucket is mostly
+latency), and a cost model may overrule it: only where its predictions differ by more than the
+model's resolution (5 %), and then the cap nearest the rule of thumb among those within 5 % of
+the fastest wins.
 """
 
 from __future__ import annotations
@@ -23,30 +25,31 @@ FIRST_CAP_BYTES = MIB  # DDP's first bucket, and shard_state's smallest
 _FRACTION = 16
 _LATENCIES_PER_BUCKET = 5
 _RESOLUTION = 0.05  # predictions closer than this are not told apart
-_CANDIDATE_CAPS = tuple(int(m * MIB) for m in (0.25, 0.5, 1, 2, 4, 8, 16, 25))
+_CANDIDATE_CAPS = tuple(int(m * MIB) for m in (0.25, 0.5, 1, 2, 4, 8, 16, 25, 64, 128, 256))
 
 Predict = Callable[[int], float]  # a cap -> the predicted seconds of the step
 
 
 def rule_of_thumb(total: int, first: int, machine: Machine | None = None) -> int:
     """A sixteenth of ``total`` bytes within [``first``, 25 MiB]; with a measured ``machine``,
-    no smaller than five latencies' worth of transfer.
+    no smaller than five latencies' worth of transfer (nor than that in all, ``total``).
 
     Measured with 2 gloo ranks behind a 5 Gbit/s link (benchmarks/): 8-layer MLP, 33 MB of
     gradients, nine 4 MiB buckets 144-175 ms a step against 199-236 ms with 25 MiB ones; on
     plain loopback the two were within noise.
     """
-    cap = max(first, total // _FRACTION)
+    cap = min(DDP_CAP_BYTES, max(first, total // _FRACTION))
     if machine is not None:
-        cap = max(cap, int(_LATENCIES_PER_BUCKET * machine.latency / machine.seconds_per_byte))
-    return min(DDP_CAP_BYTES, cap)
+        floor = int(_LATENCIES_PER_BUCKET * machine.latency / machine.seconds_per_byte)
+        cap = max(cap, min(floor, total))
+    return cap
 
 
 def candidates(total: int, first: int) -> list[int]:
     """The caps worth predicting: up to the one that puts everything after the first bucket
     in one bucket."""
     caps = {max(first, c) for c in _CANDIDATE_CAPS if c < total}
-    caps.add(max(first, min(total, DDP_CAP_BYTES)))
+    caps.add(max(first, total))
     return sorted(caps)
 
 

@@ -59,6 +59,7 @@ class StaticSpec(NamedTuple):
 
 
 LeafSpec = TensorSpec | StaticSpec
+_tensor_spec = TensorSpec._make  # without the keyword parsing of TensorSpec(...): every call
 
 
 class Signature:
@@ -156,7 +157,7 @@ def signature_of(args: tuple) -> tuple[Signature, list[Any]]:
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
             alias = first_seen.setdefault(id(leaf), i)
-            specs.append(TensorSpec(leaf.shape, leaf.stride(), leaf.dtype, leaf.device, alias))
+            specs.append(_tensor_spec((leaf.shape, leaf.stride(), leaf.dtype, leaf.device, alias)))
             continue
         paths = paths or leaf_paths(args)
         specs.append(_static_spec(leaf, paths[i]))
