@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -16,9 +17,15 @@ _WEIGHT = (-7046029254386353131, 1442695040888963407)  # odd 64-bit multipliers 
 _SECOND = (-4658895280553007687, 6364136223846793005)
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` in memory order, a flat uint8 view (a copy if it is not contiguous)."""
+    t = t.detach() if t.requires_grad else t
+    return (t if t.is_contiguous() else t.contiguous()).view(-1).view(torch.uint8)
+
+
 def _words(t: torch.Tensor) -> torch.Tensor:
     """The bytes of ``t`` as int64 words, 4 bytes each where the size allows."""
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    raw = _bytes(t)
     return (raw.view(torch.int32) if raw.numel() % 4 == 0 else raw).to(torch.int64)
 
 
@@ -31,20 +38,68 @@ def _hash(words: torch.Tensor, offset: int) -> torch.Tensor:
     return torch.stack([first, second])
 
 
+def _single(words: torch.Tensor) -> torch.Tensor:
+    """The digest of one tensor's ``words``, hashed ``_CHUNK`` words at a time."""
+    total = torch.zeros(2, dtype=torch.int64, device=words.device)
+    for start in range(0, max(words.numel(), 1), _CHUNK):
+        total += _hash(words[start : start + _CHUNK], start)
+    return total.cpu()
+
+
+def _batched(raws: list[torch.Tensor], wide: bool) -> torch.Tensor:
+    """The digests of several small tensors' bytes at once, equal to :func:`_single` of each:
+    one concatenation, positions counted from each tensor's start, sums by segment."""
+    flat = torch.cat(raws)
+    words = (flat.view(torch.int32) if wide else flat).to(torch.int64)
+    lengths = torch.tensor([r.numel() // (4 if wide else 1) for r in raws], device=words.device)
+    segment = torch.repeat_interleave(torch.arange(len(raws), device=words.device), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    position = torch.arange(words.numel(), device=words.device) - starts[segment]
+    first = words * (position * _WEIGHT[0] + _WEIGHT[1])
+    second = words * words * (position * _SECOND[0] + _SECOND[1])
+    sums = torch.zeros(len(raws), 2, dtype=torch.int64, device=words.device)
+    return sums.index_add_(0, segment, torch.stack([first, second], dim=1)).cpu()
+
+
 def digests(tensors: list[torch.Tensor]) -> torch.Tensor:
     """A ``(len(tensors), 2)`` int64 CPU tensor: a digest of each tensor's exact bits.
 
     Two tensors of one shape and dtype have the same digest when their bits are equal (NaNs
-    included); rows permuted, a square matrix transposed or one bit flipped change it.
+    included); rows permuted, a square matrix transposed or one bit flipped change it. Small
+    tensors are hashed together, a batch per device and word size (a model's thousands of
+    biases and norms cost a few operations, not a few each).
     """
-    rows = []
-    for t in tensors:
-        words = _words(t)
-        total = torch.zeros(2, dtype=torch.int64, device=words.device)
-        for start in range(0, max(words.numel(), 1), _CHUNK):
-            total += _hash(words[start : start + _CHUNK], start)
-        rows.append(total.cpu())
-    return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.int64)
+    out = torch.zeros(len(tensors), 2, dtype=torch.int64)
+    batches: dict[tuple[torch.device, bool], _Batch] = {}
+
+    def flush(key: tuple[torch.device, bool]) -> None:
+        batch = batches.pop(key)
+        out[batch.indices] = _batched(batch.raws, wide=key[1])
+
+    for i, t in enumerate(tensors):
+        raw = _bytes(t)
+        wide = raw.numel() % 4 == 0
+        count = raw.numel() // 4 if wide else raw.numel()
+        if count > _CHUNK:
+            out[i] = _single(_words(t))
+            continue
+        key = (raw.device, wide)
+        if key in batches and batches[key].words + count > _CHUNK:
+            flush(key)
+        batch = batches.setdefault(key, _Batch([], [], 0))
+        batch.indices.append(i)
+        batch.raws.append(raw)
+        batch.words += count
+    for key in list(batches):
+        flush(key)
+    return out
+
+
+@dataclasses.dataclass
+class _Batch:
+    indices: list[int]
+    raws: list[torch.Tensor]
+    words: int
 
 
 def _describe(leaf: Any, digest: torch.Tensor | None) -> str:

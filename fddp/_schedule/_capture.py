@@ -113,9 +113,9 @@ def warn_on_printed_fakes() -> Iterator[None]:
 
 
 def _tidy(gm: fx.GraphModule) -> fx.GraphModule:
+    """Double waits and dead nodes removed; the code is generated once, after the passes."""
     remove_double_waits(gm.graph)
     gm.graph.eliminate_dead_code()
-    gm.recompile()
     return gm
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -62,6 +63,11 @@ def is_view(node: fx.Node) -> bool:
     op = _overload(node)
     if op is None:
         return node.op == "call_function" and getattr(node.target, "__name__", "") == "getitem"
+    return _returns_view(op)
+
+
+@functools.cache
+def _returns_view(op: torch._ops.OpOverload) -> bool:
     returns = op._schema.returns
     return (
         bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
@@ -83,14 +89,22 @@ def mutated_inputs(node: fx.Node) -> list[fx.Node]:
     if op is None:
         return []
     out: list[fx.Node] = []
-    for i, arg in enumerate(op._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        given = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+    for i, name in _written_arguments(op):
+        given = node.args[i] if i < len(node.args) else node.kwargs.get(name)
         out.extend(_flat_nodes(given))
     if op in _UNDECLARED_WRITES and node.args[5]:
         out.extend(_flat_nodes([node.args[i] for i in _UNDECLARED_WRITES[op]]))
     return out
+
+
+@functools.cache
+def _written_arguments(op: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
+    """The positions and names of the arguments ``op``'s schema marks written."""
+    return tuple(
+        (i, arg.name)
+        for i, arg in enumerate(op._schema.arguments)
+        if arg.alias_info is not None and arg.alias_info.is_write
+    )
 
 
 def _flat_nodes(value: object) -> Iterable[fx.Node]:

@@ -303,6 +303,8 @@ def bound_sharding_collectives(graph: fx.Graph, limit: int = SHARDING_IN_FLIGHT)
     finished (summed to this rank's shard, or added to the parameters), so its buffers die.
     """
     nodes = list(graph.nodes)
+    if not any(n.target in SHARDING_COLLECTIVES for n in nodes):
+        return
     deps = dependencies(nodes)
     users = dependents(deps)
     done: set[fx.Node] = {n for n in nodes if n.op == "placeholder"}
