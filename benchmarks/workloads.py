@@ -90,6 +90,14 @@ def _gpt() -> nn.Module:
     return GPT(GPT_VOCAB, GPT_SEQ, dim=256, heads=4, layers=10)
 
 
+DEEP_VOCAB, DEEP_SEQ = 256, 32
+
+
+def _deep(layers: int) -> Callable[[], nn.Module]:
+    """A narrow, deep decoder (width 128): many small leaves, where per-node costs show."""
+    return lambda: GPT(DEEP_VOCAB, DEEP_SEQ, dim=128, heads=4, layers=layers)
+
+
 def _token_batches(vocab: int, seq: int) -> Callable[[int, torch.Generator], Batch]:
     """Random token sequences; the target is the input shifted by one."""
 
@@ -165,6 +173,10 @@ WORKLOADS = {
         Workload("gpt", _gpt, _token_batches(GPT_VOCAB, GPT_SEQ), _token_loss, per_rank=8),
         Workload("cnn", _cnn, _images(32, 10), F.cross_entropy, per_rank=16, has_buffers=True),
         Workload("lstm", _lstm, _token_batches(LSTM_VOCAB, LSTM_SEQ), _token_loss, per_rank=8),
+        *(
+            Workload(f"deep{n}", _deep(n), _token_batches(DEEP_VOCAB, DEEP_SEQ), _token_loss, 4)
+            for n in (32, 96)
+        ),
         Workload(
             "resnet18", _resnet18, _images(64, 1000), F.cross_entropy, per_rank=8, has_buffers=True
         ),
