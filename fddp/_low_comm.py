@@ -20,10 +20,11 @@ bucketed and overlapped with the inner step), under ``fddp.vmap`` it runs as it 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -332,8 +333,7 @@ class LowCommStep:
         if _axes.find(self._rule.axis_name) is not None:  # inside fddp.vmap: replicas here
             out = self._local(phase, outer, params, *args)
         else:
-            with warnings.catch_warnings():  # one program per phase is by design
-                warnings.filterwarnings("ignore", r".*argument leaf \[0\] ", RetraceWarning)
+            with _one_program_per_phase():
                 out = self._programs(phase, outer, params, *args)
         new_outer = out[0]
         new_state = LowCommState(
@@ -345,9 +345,17 @@ class LowCommStep:
         """The compiled plan of the call ``self(state, params, *args)`` would make (its
         collectives; after a first call of that phase, each output's replication: output
         ``[0]`` is the outer state without the counter, ``[1]`` the parameters)."""
-        return self._programs.schedule(
-            self.phase(state), _Outer(state.params, state.opt_state, state.pending), params, *args
-        )
+        outer = _Outer(state.params, state.opt_state, state.pending)
+        with _one_program_per_phase():
+            return self._programs.schedule(self.phase(state), outer, params, *args)
+
+
+@contextlib.contextmanager
+def _one_program_per_phase() -> Iterator[None]:
+    """No RetraceWarning for the phase argument (leaf [0]): a program per phase is by design."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r".*argument leaf \[0\] ", RetraceWarning)
+        yield
 
 
 def _named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
