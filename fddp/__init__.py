@@ -24,6 +24,7 @@ from fddp._errors import (
     ScheduleMismatchError,
 )
 from fddp._grad import grad, value_and_grad
+from fddp._low_comm import LowCommState, diloco, local_sgd
 from fddp._module import functional, state
 from fddp._pending import block_until_ready
 from fddp._persistent_cache import cache_dir, set_cache_dir
@@ -35,6 +36,7 @@ from fddp._vmap import vmap
 __version__ = "0.1.0"
 
 __all__ = [
+    "LowCommState",
     "CaptureError",
     "PrintWhileTracingWarning",
     "RankFailureError",
@@ -51,11 +53,13 @@ __all__ = [
     "cache_dir",
     "data",
     "data_parallel",
+    "diloco",
     "functional",
     "grad",
     "init",
     "load",
     "load_sharded",
+    "local_sgd",
     "nn",
     "optim",
     "plot_timeline",

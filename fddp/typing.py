@@ -23,6 +23,7 @@ Example:
 """
 
 from fddp._data_parallel import DataParallelStep
+from fddp._low_comm import LowCommStep, Phase
 from fddp._powersgd import PowerSGD, PowerSGDState
 from fddp._schedule._plan import CollectivePlan, Plan
 from fddp._types import (
@@ -45,9 +46,11 @@ __all__ = [
     "DataParallelStep",
     "GradientTransformation",
     "Grads",
+    "LowCommStep",
     "OptState",
     "Params",
     "ParamsT",
+    "Phase",
     "Plan",
     "PowerSGD",
     "PowerSGDState",

@@ -9,6 +9,7 @@ import fddp.optim
 import fddp.typing
 
 PUBLIC = {
+    "LowCommState",
     "CaptureError",
     "PrintWhileTracingWarning",
     "RankFailureError",
@@ -25,11 +26,13 @@ PUBLIC = {
     "broadcast",
     "data",
     "data_parallel",
+    "diloco",
     "functional",
     "grad",
     "init",
     "load",
     "load_sharded",
+    "local_sgd",
     "nn",
     "optim",
     "plot_timeline",
@@ -89,9 +92,11 @@ TYPING = {
     "DataParallelStep",
     "GradientTransformation",
     "Grads",
+    "LowCommStep",
     "OptState",
     "Params",
     "ParamsT",
+    "Phase",
     "Plan",
     "PowerSGD",
     "PowerSGDState",
