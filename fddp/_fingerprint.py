@@ -33,7 +33,7 @@ MAX_OBJECTS = 200_000  # beyond this the step reaches too much to fingerprint (a
 
 Path = tuple[tuple[str, Any], ...]  # steps from the root: ("closure", 0), ("attr", "lr"), ...
 
-_VALUES = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis))
+_VALUES: tuple[type, ...] = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis))
 _VALUES += (torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size)
 
 
