@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import netns
+import provenance
 import ranks
 import report
 import torch
@@ -519,29 +520,21 @@ def run_link(args: argparse.Namespace, argv: list[str]) -> dict[str, Any] | str:
     if why is not None:
         return f"emulated link skipped: {why}"
     try:
-        with netns.rate_limited(args.link) as name, tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "link.json")
-            cmd = ["ip", "netns", "exec", name, sys.executable, os.path.abspath(__file__)]
-            subprocess.run([*cmd, *argv, "--regime-json", path], check=True)
-            with open(path) as f:
-                result = json.load(f)
-            result["qdisc"] = netns.qdisc_stats(name)
+        return netns.run_behind(args.link, __file__, argv)
     except subprocess.CalledProcessError as e:
         if e.cmd[:3] == ("ip", "netns", "add"):
             return f"emulated link skipped: {e.stderr.strip()}"
         raise
-    result["rate"] = args.link
-    return result
 
 
 def machine(args: argparse.Namespace, started: datetime.datetime) -> dict[str, Any]:
     """Versions, machine and configuration, recorded with every result."""
-    dirty = _git("status", "--porcelain", "--", "fddp")
+    dirty = provenance.git("status", "--porcelain", "--", "fddp")
     return {
         "date": started.isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "fddp": fddp.__version__,
-        "fddp_commit": _git("rev-parse", "--short", "HEAD"),
+        "fddp_commit": provenance.git("rev-parse", "--short", "HEAD"),
         "fddp_uncommitted_files": len(dirty.splitlines()) if dirty != "unknown" else None,
         "python": platform.python_version(),
         "kernel": platform.release(),
@@ -564,15 +557,6 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
-
-
-def _git(*args: str) -> str:
-    root = os.path.dirname(os.path.abspath(fddp.__file__))
-    try:
-        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return done.stdout.strip()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,10 +4,11 @@ For each depth, a pre-norm decoder (width 128, 4 heads, vocabulary 256, sequence
 ``donate_argnums=(0, 1)``) trains on ``--world-size`` gloo ranks in two jobs that share a
 program cache directory: the first compiles (and writes its programs), the second is the same
 job restarted, which loads them. Each job reports rank 0's first call (capture + passes +
-agreement + one run, from a barrier: a peer still importing is not counted), the capture alone, and the median of the following steps. A fresh
-process pays a fixed cost on its first capture (torch's lazy imports and first dispatches), so
-the table gives the first call per layer and the cost of each added layer between rows, which
-stays flat when every part of the first call is linear in the graph.
+agreement + one run, from a barrier: a peer still importing is not counted), the capture
+alone, and the median of the following steps. A fresh process pays a fixed cost on its first
+capture (torch's lazy imports and first dispatches), so the table gives the first call per
+layer and the cost of each added layer between rows, which stays flat when every part of the
+first call is linear in the graph.
 
     python benchmarks/depth.py --layers 8,16,32,64,128
 """

@@ -41,7 +41,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +51,7 @@ from unittest import mock
 
 import netns
 import optree
+import provenance
 import ranks
 import torch
 import torch.distributed as dist
@@ -540,15 +540,7 @@ def run_link(args: argparse.Namespace, argv: list[str]) -> dict[str, Any] | str:
     why = netns.unavailable()
     if why is not None:
         return f"emulated link skipped: {why}"
-    with netns.rate_limited(args.link) as name, tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "link.json")
-        cmd = ["ip", "netns", "exec", name, sys.executable, os.path.abspath(__file__)]
-        subprocess.run([*cmd, *argv, "--regime-json", path], check=True)
-        with open(path) as f:
-            result = json.load(f)
-        result["qdisc"] = netns.qdisc_stats(name)
-    result["rate"] = args.link
-    return result
+    return netns.run_behind(args.link, __file__, argv)
 
 
 # ---- the report -----------------------------------------------------------------------------
@@ -663,20 +655,6 @@ def tables(regime: str, result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _commit() -> str:
-    try:
-        done = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        return done.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
@@ -707,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = {
             "date": started.isoformat(timespec="seconds"),
             "torch": torch.__version__,
-            "fddp_commit": _commit(),
+            "fddp_commit": provenance.commit(),
             "argv": argv,
             "cores": os.cpu_count(),
         }

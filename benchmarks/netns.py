@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
+from typing import Any
 
 
 def unavailable() -> str | None:
@@ -42,3 +46,17 @@ def rate_limited(rate: str, burst: str = "512kb", latency: str = "100ms") -> Ite
 def qdisc_stats(name: str) -> str:
     """``tc -s qdisc show dev lo`` inside the namespace: proves the traffic went through tbf."""
     return _run("ip", "netns", "exec", name, "tc", "-s", "qdisc", "show", "dev", "lo").strip()
+
+
+def run_behind(rate: str, script: str, argv: list[str]) -> dict[str, Any]:
+    """``python script ARGV --regime-json PATH`` inside a namespace shaped to ``rate``: the JSON
+    the script writes to PATH, with the qdisc's statistics and the rate."""
+    with rate_limited(rate) as name, tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "link.json")
+        cmd = ["ip", "netns", "exec", name, sys.executable, os.path.abspath(script)]
+        subprocess.run([*cmd, *argv, "--regime-json", path], check=True)
+        with open(path) as f:
+            result = json.load(f)
+        result["qdisc"] = qdisc_stats(name)
+    result["rate"] = rate
+    return result

@@ -62,6 +62,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling scripts
+import provenance
 import workloads
 
 import fddp
@@ -866,7 +867,8 @@ def report(
         f"{worlds[0]} to {worlds[-1]} ranks",
         "",
         f"`python benchmarks/simulate_scaling.py {' '.join(args.argv)}`".replace(" `", "`"),
-        f"({started:%Y-%m-%d %H:%M} UTC, fddp commit {_git_commit()}, torch {torch.__version__}, "
+        f"({started:%Y-%m-%d %H:%M} UTC, fddp commit {provenance.commit()}, "
+        f"torch {torch.__version__}, "
         f"{time.perf_counter() - args.t0:.0f} s). A prediction, not a measurement: the compute "
         "comes from fddp's cost model on an assumed accelerator, the wire from alpha-beta "
         "models; only the last section measures anything (this machine's CPU, 2-4 ranks).",
@@ -1192,22 +1194,6 @@ def plot(points: list[Point], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def _git_commit() -> str:
-    import subprocess
-
-    try:
-        done = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return done.stdout.strip()
 
 
 # ---- main -----------------------------------------------------------------------------------

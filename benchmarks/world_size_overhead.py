@@ -44,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 import optree
+import provenance
 import ranks
 import torch
 import torch.distributed as dist
@@ -263,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "date": started.strftime("%Y-%m-%d %H:%M:%S"),
         "fddp": fddp.__version__,
-        "commit": compare_ddp._git("rev-parse", "--short", "HEAD"),
-        "uncommitted": compare_ddp._git("status", "--porcelain", "--", "."),
+        "commit": provenance.commit(),
+        "uncommitted": provenance.git("status", "--porcelain", "--", "."),
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "cpu": compare_ddp._cpu_model(),
