@@ -32,16 +32,20 @@ def _model():
     return fddp.functional(model), fddp.state(model)[0]
 
 
-def _inner_step(inner_opt, pmean_grads=False):
+def _inner_step(inner_opt, pmean_grads=False, microbatches=0):
     """The user's step ``(params, opt_state, batch) -> (params, opt_state, loss)``; with
-    ``pmean_grads`` the synchronous data-parallel step."""
+    ``pmean_grads`` the synchronous data-parallel step; with ``microbatches``, the gradient
+    accumulated over that many slices of the batch."""
     apply, _ = _model()
 
     def step(params, opt_state, batch):
-        def loss_fn(p):
+        def loss_fn(p, batch):
             return F.mse_loss(apply(p, {}, batch["x"]), batch["y"])
 
-        loss, grads = fddp.value_and_grad(loss_fn)(params)
+        if microbatches:
+            loss, grads = fddp.accumulate_gradients(loss_fn, microbatches)(params, batch)
+        else:
+            loss, grads = fddp.value_and_grad(loss_fn)(params, batch)
         if pmean_grads:
             grads = fddp.pmean(grads)
         updates, opt_state = inner_opt.update(grads, opt_state, params)
@@ -227,6 +231,13 @@ def check_for_vmap(fragments, delay):
     return state.params, params
 
 
+def check_accumulation(microbatches):
+    inner_opt = optim.adamw(1e-2)
+    lstep = fddp.diloco(_inner_step(inner_opt, microbatches=microbatches), every=3)
+    state, params, _ = _run(lstep, inner_opt, 7, fddp.rank(), fddp.world_size())
+    return state.params, params
+
+
 def check_bf16_on_the_wire():
     inner_opt = optim.sgd(0.1)
     lstep = fddp.diloco(_inner_step(inner_opt), every=2, fragments=2, comm_dtype=torch.bfloat16)
@@ -248,6 +259,8 @@ CHECKS_2 = {
     "diloco_every_1": functools.partial(check_every_one_is_synchronous, "diloco"),
     "outer_adamw_h3": functools.partial(check_outer_step, "adamw", 3, 7),
     "local_sgd_h3": functools.partial(check_local_sgd, 3, 7),
+    "whole_batch": functools.partial(check_accumulation, 0),
+    "accumulated": functools.partial(check_accumulation, 2),
     "streaming_f2_tau0": functools.partial(check_outer_step, "adamw", 4, 9, 2, 0),
     "streaming_f3_tau2": functools.partial(check_outer_step, "adamw", 6, 13, 3, 2),
     "streaming_f2_tau1": functools.partial(check_outer_step, "adamw", 4, 9, 2, 1),
@@ -301,6 +314,13 @@ def test_local_sgd_averages_every_h_steps(runs2):
     for rank, params in enumerate(runs2["local_sgd_h3"]):
         assert_trees_close(params, inner[rank], atol=1e-6, rtol=0)
     assert max_abs_diff(runs2["local_sgd_h3"][0], runs2["local_sgd_h3"][1]) > 1e-4  # step 7
+
+
+def test_an_inner_step_that_accumulates_microbatches_equals_the_whole_batch(runs2):
+    """Accumulation inside the inner step is local (nothing to communicate): DiLoCo over two
+    microbatches of each batch equals DiLoCo over the whole batch, outer and inner params."""
+    assert_trees_close(runs2["accumulated"], runs2["whole_batch"], atol=1e-6, rtol=0)
+    assert max_abs_diff(runs2["accumulated"][0][1], runs2["accumulated"][1][1]) > 1e-4
 
 
 @pytest.mark.parametrize(
