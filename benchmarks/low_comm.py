@@ -1,12 +1,19 @@
-"""python benchmarks/low_comm.py --link 100mbit
+"""python benchmarks/low_comm.py --link 100mbit [--outer 0.7:0.9,1.0:0.0]
 
-The character-level GPT of examples/train_gpt.py trained for the same number of tokens, on 2
-gloo ranks behind an emulated link (a network namespace whose loopback is shaped by tbf, see
-netns.py), by DDP, synchronous fddp, LocalSGD, DiLoCo (H = 10, 50) and streaming DiLoCo.
-Reports per variant: training wall time (held-out evaluations excluded), bytes the namespace's
-loopback carried per rank (measured, /proc/net/dev), the payload all-reduced per step at its
-peak (computed) and the final held-out loss; writes a Markdown report and a plot of held-out
-loss against wall time to benchmarks/results/<UTC stamp>_low_comm.*.
+The character-level GPT of examples/train_gpt.py on 2 gloo ranks behind an emulated link (a
+network namespace whose loopback is shaped by tbf, see netns.py), trained by DDP, synchronous
+fddp, LocalSGD, DiLoCo (H = 10, 50) and streaming DiLoCo, the last two for every outer
+optimizer setting of --outer. DDP and synchronous fddp train --steps steps; the
+low-communication variants train --max-factor times as many (more tokens). Every
+--eval-every steps the held-out loss of the synchronized parameters (DiLoCo's outer
+parameters; LocalSGD's averaged ones) is taken.
+
+Reports per variant, at DDP's token count: training wall time (held-out evaluations
+excluded), bytes the namespace's loopback carried per rank (measured, /proc/net/dev), the
+payload all-reduced per step at its peak (computed) and the held-out loss; and the time to
+target: the wall time (and bytes) at which its held-out loss first came within 2 % of DDP's
+final held-out loss, and that time over DDP's wall time. Writes a Markdown report, the JSON
+and a plot of held-out loss against wall time to benchmarks/results/<UTC stamp>_low_comm.*.
 """
 
 from __future__ import annotations
@@ -49,23 +56,79 @@ class Variant:
     fragments: int = 1
     delay: int = 0
     bf16: bool = False
+    outer_lr: float = 0.7  # DiLoCo's outer optimizer: SGD, Nesterov where momentum > 0
+    outer_momentum: float = 0.9
+
+    @property
+    def synchronous(self) -> bool:
+        return self.kind in ("ddp", "fddp")
 
 
-VARIANTS = (
-    Variant("DDP", "ddp"),
-    Variant("fddp (synchronous)", "fddp"),
-    Variant("LocalSGD H=10", "local_sgd", every=10),
-    Variant("DiLoCo H=10", "diloco", every=10),
-    Variant("DiLoCo H=50", "diloco", every=50),
-    Variant("streaming DiLoCo H=50 F=16 tau=1 bf16", "diloco", 50, 16, 1, True),
-)
+TARGET = 0.02  # time to target: held-out loss within 2 % of DDP's final one
+
+
+def variants(args: argparse.Namespace) -> list[Variant]:
+    """DDP, synchronous fddp, LocalSGD H=10, then per outer setting DiLoCo at each H of
+    --every and streaming DiLoCo H=50 F=16 tau=1 bf16."""
+    chosen = [
+        Variant("DDP", "ddp"),
+        Variant("fddp (synchronous)", "fddp"),
+        Variant("LocalSGD H=10", "local_sgd", every=10),
+    ]
+    for lr, momentum in args.outer:
+        outer = dict(outer_lr=lr, outer_momentum=momentum)
+        tag = f"outer {lr:g}/{momentum:g}"
+        for h in args.every:
+            chosen.append(Variant(f"DiLoCo H={h} {tag}", "diloco", every=h, **outer))
+        chosen.append(
+            Variant(
+                f"streaming DiLoCo H=50 F=16 tau=1 bf16 {tag}", "diloco", 50, 16, 1, True, **outer
+            )
+        )
+    if args.only is not None:
+        chosen = [v for v in chosen if v.name in args.only.split(",")]
+    for v in chosen:
+        if v.kind == "local_sgd" and args.eval_every % v.every:
+            raise SystemExit(
+                f"--eval-every {args.eval_every}: {v.name} is synchronized only "
+                f"every {v.every} steps; use a multiple of {v.every}"
+            )
+    return chosen
+
+
+def _steps(v: Variant, args: argparse.Namespace) -> int:
+    return args.steps if v.synchronous else round(args.max_factor * args.steps)
+
+
+def _outer_settings(text: str) -> list[tuple[float, float]]:
+    """``"0.7:0.9,1.0:0.0"``: (outer lr, outer momentum) pairs."""
+    return [tuple(float(x) for x in pair.split(":")) for pair in text.split(",")]
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--link", default="100mbit", help="tbf rate, e.g. 100mbit")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--steps", type=int, default=200, help="DDP's and synchronous fddp's steps")
+    p.add_argument(
+        "--max-factor",
+        type=float,
+        default=3.0,
+        help="the low-communication variants train this many times --steps",
+    )
+    p.add_argument("--eval-every", type=int, default=10, help="divides --steps")
+    p.add_argument(
+        "--outer",
+        type=_outer_settings,
+        default=_outer_settings("0.7:0.9"),
+        help="DiLoCo's outer SGD settings to sweep, LR:MOMENTUM[,...] "
+        "(Nesterov where momentum > 0; 1.0:0.0 is LocalSGD's parameter average)",
+    )
+    p.add_argument(
+        "--every",
+        type=lambda s: [int(h) for h in s.split(",")],
+        default=[10, 50],
+        help="DiLoCo's H values (non-streaming)",
+    )
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
@@ -74,7 +137,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--only", help="comma-separated variant names (default: all)")
     p.add_argument("--inside", help=argparse.SUPPRESS)  # the JSON path, run in the namespace
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.steps % args.eval_every:
+        p.error("--eval-every must divide --steps (the same-tokens figures are taken there)")
+    return args
 
 
 def _lo_bytes() -> int:
@@ -163,6 +229,9 @@ def _train(rank: int, port: int, v: Variant, args: argparse.Namespace, out: str)
                 lstep = fddp.diloco(
                     inner_step,
                     every=v.every,
+                    outer=optim.sgd(
+                        v.outer_lr, momentum=v.outer_momentum, nesterov=v.outer_momentum > 0
+                    ),
                     fragments=v.fragments,
                     delay=v.delay,
                     comm_dtype=torch.bfloat16 if v.bf16 else None,
@@ -179,8 +248,8 @@ def _train(rank: int, port: int, v: Variant, args: argparse.Namespace, out: str)
                     holder["state"], holder["params"], holder["opt"], x, y
                 )
 
-        def current():
-            return holder["params"]
+        def current():  # the synchronized parameters: DiLoCo's outer ones, else the inner
+            return holder["state"].params if v.kind == "diloco" else holder["params"]
 
     gen.manual_seed(1)
 
@@ -188,26 +257,31 @@ def _train(rank: int, port: int, v: Variant, args: argparse.Namespace, out: str)
     def evaluate() -> float:
         return fddp.pmean(loss_fn(current(), eval_x, eval_y)).item()
 
-    curve = [(0.0, evaluate())]
+    curve = [(0, 0.0, 0.0, evaluate())]  # (step, training wall s, bytes sent per rank, loss)
+    loads = []  # the machine's 1-minute load average at each evaluation (2: the ranks alone)
     dist.barrier()
-    sent = _lo_bytes()
+    start = _lo_bytes()
     train_s = 0.0
-    for i in range(1, args.steps + 1):
+    for i in range(1, _steps(v, args) + 1):
         x, y = batch()
         t = time.perf_counter()
         run(x, y)
         train_s += time.perf_counter() - t
-        if i % args.eval_every == 0:
-            curve.append((train_s, evaluate()))  # evaluates each rank's own parameters
-    sent = _lo_bytes() - sent  # both ranks' traffic (and the tiny evaluations)
+        if i % args.eval_every == 0:  # bytes: both ranks' traffic (and the tiny evaluations)
+            curve.append((i, train_s, (_lo_bytes() - start) / world, evaluate()))
+            loads.append(os.getloadavg()[0])
     if rank == 0:
+        at = next(c for c in curve if c[0] == args.steps)  # DDP's token count
         result = {
             "name": v.name,
-            "wall_s": train_s,
-            "bytes_per_rank": sent / world,
+            "variant": dataclasses.asdict(v),
+            "steps": _steps(v, args),
+            "wall_s": at[1],
+            "bytes_per_rank": at[2],
             "peak_bytes_per_step": _peak_bytes_per_step(v, params) if v.kind != "ddp" else None,
-            "final_eval_loss": curve[-1][1],
+            "eval_loss": at[3],
             "curve": curve,
+            "load": sum(loads) / len(loads),
         }
         Path(out).write_text(json.dumps(result))
     dist.barrier()
@@ -216,50 +290,97 @@ def _train(rank: int, port: int, v: Variant, args: argparse.Namespace, out: str)
 
 def _inside(args: argparse.Namespace) -> None:
     results = []
-    chosen = [v for v in VARIANTS if args.only is None or v.name in args.only.split(",")]
-    for v in chosen:
+    for v in variants(args):
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "r.json")
             mp.spawn(_train, args=(ranks.free_port(), v, args, path), nprocs=2, join=True)
             results.append(json.loads(Path(path).read_text()))
         r = results[-1]
+        last = r["curve"][-1]
         print(
-            f"{r['name']}: {r['wall_s']:.1f} s, {r['bytes_per_rank'] / 1e6:.1f} MB/rank, "
-            f"eval loss {r['final_eval_loss']:.4f}",
+            f"{r['name']}: at step {args.steps} {r['wall_s']:.1f} s, "
+            f"{r['bytes_per_rank'] / 1e6:.1f} MB/rank, eval loss {r['eval_loss']:.4f}; "
+            f"at step {last[0]} {last[1]:.1f} s, eval loss {last[3]:.4f}",
             flush=True,
         )
     Path(args.inside).write_text(json.dumps(results))
 
 
-def _report(results: list[dict], args: argparse.Namespace, stamp: str, qdisc: str) -> str:
+def _first_within(r: dict, target: float) -> list | None:
+    """The first evaluation (step, wall s, bytes per rank, loss) at or below ``target``."""
+    return next((c for c in r["curve"] if c[3] <= target), None)
+
+
+def _report(
+    results: list[dict], args: argparse.Namespace, stamp: str, qdisc: str, command: str
+) -> str:
     ddp = results[0]
+    ddp_loss = ddp["eval_loss"]
+    target = ddp_loss * (1 + TARGET)
     grad_bytes = sum(p.numel() for p in _setup(args)["model"].parameters()) * 4
-    rows = [
+    same = [
         "| variant | wall s | x DDP | MB sent per rank | peak payload per step | x DDP | "
         "held-out loss | vs DDP |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         peak = r["peak_bytes_per_step"] or grad_bytes
-        loss = r["final_eval_loss"]
-        rows.append(
+        same.append(
             f"| {r['name']} | {r['wall_s']:.1f} | {r['wall_s'] / ddp['wall_s']:.2f} | "
             f"{r['bytes_per_rank'] / 1e6:.1f} | {peak / 1e3:.0f} kB | {peak / grad_bytes:.3f} | "
-            f"{r['final_eval_loss']:.4f} | {loss / ddp['final_eval_loss'] - 1:+.1%} |"
+            f"{r['eval_loss']:.4f} | {r['eval_loss'] / ddp_loss - 1:+.1%} |"
         )
+    reach = [
+        "| variant | steps trained | within 2 % at step | wall s | x DDP's wall time | "
+        "MB sent per rank | best held-out loss | vs DDP | load |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        hit = _first_within(r, target)
+        best = min(c[3] for c in r["curve"])
+        if hit is None:
+            cells = "not reached | | | | "
+        else:
+            cells = (
+                f"{hit[0]} | {hit[1]:.1f} | {hit[1] / ddp['wall_s']:.2f} | {hit[2] / 1e6:.1f} | "
+            )
+        reach.append(
+            f"| {r['name']} | {r['steps']} | {cells}{best:.4f} | {best / ddp_loss - 1:+.1%} | "
+            f"{r['load']:.1f} |"
+        )
+    low = round(args.max_factor * args.steps)
     return "\n".join(
         [
             f"# Low-communication data parallelism behind a {args.link} link ({stamp})",
             "",
-            f"`python benchmarks/low_comm.py --link {args.link} --steps {args.steps}`: 2 gloo "
-            f"ranks, GPT {args.layers} layers x {args.dim}, seq {args.seq}, batch {args.batch} "
-            f"per rank, {grad_bytes / 1e6:.2f} MB of fp32 parameters, inner AdamW lr {args.lr}, "
-            f"{args.steps} steps each (the same tokens). Wall time: the training calls only "
-            "(compiles done before, evaluations excluded). MB sent: the namespace's loopback, "
-            "both ranks' traffic halved (headers and the per-call 16-byte checks included). "
-            "Peak payload: the largest all-reduce of one step (DDP: every gradient, fp32).",
+            f"`{command}`: 2 gloo ranks, GPT {args.layers} layers x {args.dim}, seq {args.seq}, "
+            f"batch {args.batch} per rank, {grad_bytes / 1e6:.2f} MB of fp32 parameters, inner "
+            f"AdamW lr {args.lr}. DDP and synchronous fddp train {args.steps} steps; LocalSGD "
+            f"and DiLoCo {low} ({args.max_factor:g}x the tokens). DiLoCo's outer optimizer: SGD "
+            "with lr/momentum as named (Nesterov where the momentum is not 0; 1/0 is LocalSGD's "
+            f"parameter average). Held-out loss every {args.eval_every} steps, of the "
+            "synchronized parameters (DiLoCo's outer parameters, LocalSGD's averaged ones, "
+            "the replicated ones of DDP and fddp). Wall time: the training calls only (compiles "
+            "done before, evaluations excluded). MB sent: the namespace's loopback, both ranks' "
+            "traffic halved (headers, the per-call 16-byte checks and the evaluations' scalar "
+            "all-reduces included). Peak payload: the largest all-reduce of one step (DDP: every "
+            "gradient, fp32).",
             "",
-            *rows,
+            f"## The same tokens: every variant at step {args.steps}",
+            "",
+            *same,
+            "",
+            f"## Time to target: held-out loss within 2 % of DDP's final {ddp_loss:.4f} "
+            f"(<= {target:.4f})",
+            "",
+            "The first evaluation at or below the target; x DDP's wall time: that time over DDP's "
+            f"whole {args.steps}-step wall time ({ddp['wall_s']:.1f} s). Best: the lowest "
+            "held-out loss of the whole run. Load: the machine's 1-minute load average at the "
+            "evaluations, their mean (the 2 ranks alone make 2 on these "
+            f"{os.cpu_count()} cores; more is other work slowing the compute). The losses are "
+            "seeded and the same from run to run; the wall times are not.",
+            "",
+            *reach,
             "",
             f"torch {torch.__version__}, fddp commit {_git_commit()}, {os.cpu_count()} cores.",
             "",
@@ -271,8 +392,11 @@ def _report(results: list[dict], args: argparse.Namespace, stamp: str, qdisc: st
 
 
 def _git_commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
+    root = RESULTS.parents[1]
+    git = ["git", "-C", str(root)]
+    done = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run([*git, "diff", "--quiet", "HEAD", "--", "fddp", "benchmarks"]).returncode
+    return (done.stdout.strip() or "unknown") + (" with uncommitted changes" if dirty else "")
 
 
 def _plot(results: list[dict], path: Path, link: str) -> None:
@@ -281,14 +405,22 @@ def _plot(results: list[dict], path: Path, link: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    outers = sorted({(r["variant"]["outer_lr"], r["variant"]["outer_momentum"]) for r in results})
     for r in results:
-        t, loss = zip(*r["curve"])
-        ax.plot(t, loss, marker="o", ms=3, label=r["name"])
+        v = r["variant"]
+        dashed = v["kind"] == "diloco" and (v["outer_lr"], v["outer_momentum"]) != outers[0]
+        _, t, _, loss = zip(*r["curve"])
+        wide = v["kind"] == "ddp"  # under synchronous fddp's identical curve
+        ax.plot(t, loss, ls="--" if dashed else "-", lw=3 if wide else 1.2, label=r["name"])
+    target = results[0]["eval_loss"] * (1 + TARGET)
+    ax.axhline(target, color="k", lw=0.8, ls=":", label="DDP's final held-out loss + 2 %")
+    lowest = min(c[3] for r in results for c in r["curve"])
+    ax.set_ylim(lowest - 0.05, target + 0.75)
     ax.set_xlabel("training wall time, s")
     ax.set_ylabel("held-out loss")
     ax.set_title(f"GPT on 2 ranks behind a {link} link")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -313,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.mkdir(exist_ok=True)
     base = RESULTS / f"{stamp}_low_comm"
     Path(f"{base}.json").write_text(json.dumps({"args": vars(args), "results": results}))
-    Path(f"{base}.md").write_text(_report(results, args, stamp, qdisc) + "\n")
+    command = " ".join(["python benchmarks/low_comm.py", *argv])
+    Path(f"{base}.md").write_text(_report(results, args, stamp, qdisc, command) + "\n")
     _plot(results, Path(f"{base}.png"), args.link)
     print(Path(f"{base}.md").read_text())
     return 0
