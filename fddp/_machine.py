@@ -67,9 +67,21 @@ def _link(group: dist.ProcessGroup | None, device: torch.device) -> tuple[float,
             dist.all_reduce(buffer, group=group)
         reduce = functools.partial(dist.all_reduce, buffer, group=group)
         fastest.append(_best_seconds(reduce, device, _PROBE_REPEATS))
+    return line_through(*fastest)
+
+
+def line_through(small_seconds: float, large_seconds: float) -> tuple[float, float]:
+    """Latency and seconds per byte from the best times of the small and the large probe.
+
+    Where noise made the large probe no slower than the small one (a loaded machine), the slope
+    says nothing: the large probe's whole time is taken as transfer, the slowest link its time
+    allows, instead of a link of unbounded bandwidth.
+    """
     small, large = _PROBE_BYTES
-    per_byte = max((fastest[1] - fastest[0]) / (large - small), 1e-13)
-    return max(fastest[0] - per_byte * small, 0.0), per_byte
+    per_byte = (large_seconds - small_seconds) / (large - small)
+    if per_byte <= 0:
+        per_byte = large_seconds / large
+    return max(small_seconds - per_byte * small, 0.0), per_byte
 
 
 def _compute(device: torch.device) -> tuple[float, float, float]:

@@ -21,6 +21,7 @@ from _dist import run_checks
 
 import fddp
 from fddp import _axes, _collectives
+from fddp import _machine as _machine_module
 from fddp._bucket_policy import DDP_CAP_BYTES, CapPolicy, rule_of_thumb
 from fddp._machine import Machine
 from fddp._schedule import _bucket, _cost
@@ -166,3 +167,15 @@ def test_every_rank_takes_rank_0_figures_measured_once_per_group():
     assert first[0] == first[1], "every rank must print rank 0's figures"
     assert second == first, "the link is measured once per process group"
     assert results["set_by_user"] == ["bucket cap 0.5 MiB, set by bucket_cap_mb"] * 2
+
+
+def test_a_noisy_link_probe_does_not_measure_an_unbounded_bandwidth():
+    """The link is the line through the best times of a small and a large all-reduce; where a
+    loaded machine made the large one no slower, its whole time counts as transfer."""
+    small, large = _machine_module._PROBE_BYTES
+    latency, per_byte = _machine_module.line_through(1e-4, 1e-4 + (large - small) * 1e-9)
+    assert latency == pytest.approx(1e-4 - small * 1e-9) and per_byte == pytest.approx(1e-9)
+    latency, per_byte = _machine_module.line_through(2e-3, 1e-3)  # the large probe was faster
+    assert per_byte == pytest.approx(1e-3 / large) and latency == pytest.approx(
+        2e-3 - small * per_byte
+    )
