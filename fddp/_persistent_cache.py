@@ -204,9 +204,14 @@ def save(key: Key, compiled: Compiled) -> None:
         "tensors": buffer.getvalue(),
         "located": located,
     }
-    _write(key, key.program_path(compiled.program.cap), program)
     profile = {"profile": compiled.program.profile, "cap": compiled.program.cap}
-    _write(key, key.profile_path(), profile)
+    try:
+        program_data, profile_data = (pickle.dumps(p, protocol=4) for p in (program, profile))
+    except Exception as e:  # an output tree of a class pickle cannot name, say
+        _runtime.log_rank0("data_parallel: not caching the program: %s: %s", type(e).__name__, e)
+        return
+    _write(key, key.program_path(compiled.program.cap), program_data)
+    _write(key, key.profile_path(), profile_data)
 
 
 def _secret(directory: Path) -> bytes:
@@ -229,8 +234,7 @@ def _secret(directory: Path) -> bytes:
     return path.read_bytes()
 
 
-def _write(key: Key, path: Path, payload: dict) -> None:
-    data = pickle.dumps(payload, protocol=4)
+def _write(key: Key, path: Path, data: bytes) -> None:
     mac = hmac.new(_secret(key.directory), data, hashlib.sha256).digest()
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".writing-")
     try:
@@ -310,7 +314,7 @@ def load(
         constants[name] = tensor
     stored = dataclasses.replace(payload["stored"], constants=constants)
     try:
-        program, captured = _store.decode(stored, options.backend)
+        program, captured = _store.decode(stored, options.backend, profile)
     except _store.NotStorable as e:
         _runtime.log_rank0("data_parallel: ignoring a cached program: %s", e)
         return None

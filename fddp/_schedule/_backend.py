@@ -57,7 +57,7 @@ def _entry(namespace: str, name: str, overload: str) -> Any:
     return found._op if plain else found
 
 
-def generate(gm: fx.GraphModule) -> Generated:
+def generate(gm: fx.GraphModule, code: fx.graph.PythonCode | None = None) -> Generated:
     """``gm``'s forward, with each operator bound as a global and called without its Python
     wrapper.
 
@@ -65,8 +65,9 @@ def generate(gm: fx.GraphModule) -> Generated:
     Python ``__call__``, about 1 us per node above the dispatcher's own cost. Here each call
     goes straight to the operator's C++ entry point (what ``__call__`` forwards to), so a graph
     of many small nodes runs closer to eager. Same operators, same order, same results.
+    ``code`` is the graph's code as ``gm.recompile()`` returned it, if the caller has it.
     """
-    code = gm.graph.python_code(root_module="self")
+    code = code or gm.graph.python_code(root_module="self")
     operators: dict[str, tuple[str, str, str]] = {}
 
     def bind(match: re.Match) -> str:
@@ -110,10 +111,12 @@ def inductor_runner(gm: fx.GraphModule) -> Runner:
     return run
 
 
-def build(gm: fx.GraphModule, backend: str) -> tuple[Runner, Generated | None]:
-    """Run ``gm`` as Python code (``"fx"``, whose generated code comes back too) or compiled
-    by Inductor (``"inductor"``)."""
+def build(
+    gm: fx.GraphModule, backend: str, code: fx.graph.PythonCode | None = None
+) -> tuple[Runner, Generated | None]:
+    """Run ``gm`` as Python code (``"fx"``, whose generated code comes back too; ``code`` as
+    for :func:`generate`) or compiled by Inductor (``"inductor"``)."""
     if backend == "inductor":
         return inductor_runner(gm), None
-    generated = generate(gm)
+    generated = generate(gm, code)
     return as_runner(generated.forward(gm)), generated

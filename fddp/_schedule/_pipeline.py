@@ -85,10 +85,10 @@ def schedule_graph(
         donated_nodes = {n for n, d in zip(placeholders, is_donated) if d}
         _reinplace.reinplace(graph, donated_nodes, donated_writable_after=gate)
     graph.lint()
-    gm.recompile()
+    code = gm.recompile()
     plan = _plan.describe(graph, bucket_nodes, captured.seconds, captured.method)
     plan = dataclasses.replace(plan, bucket_cap=str(cap) if members else "")
-    runner, generated = _backend.build(gm, options.backend)
+    runner, generated = _backend.build(gm, options.backend, code)
     sequence = _plan.collective_sequence(graph)
     return Program(
         lambda: gm,

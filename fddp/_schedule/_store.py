@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from fddp._schedule import _backend, _gate
+from fddp._schedule import _backend, _cost, _gate
 from fddp._schedule._capture import Captured
 from fddp._schedule._program import Program
 
@@ -201,7 +201,6 @@ def encode(program: Program, captured: Captured) -> Stored:
         "sequence": program.sequence,
         "output_dependencies": program.output_dependencies,
         "rank_bit": program.rank_bit,
-        "profile": program.profile,
         "cap": program.cap,
         "gated": program.gated,
         "outputs": captured.outputs,
@@ -212,17 +211,14 @@ def encode(program: Program, captured: Captured) -> Stored:
         meta["globals"] = {k: _encode_global(v) for k, v in generated.fx_globals.items()}
         meta["operators"] = generated.operators
         meta["source"] = generated.source
-    try:
-        pickle.loads(pickle.dumps(meta, protocol=4))  # what cannot be read back is not written
-    except Exception as e:
-        raise NotStorable(f"{type(e).__name__}: {e}") from None
     code = marshal.dumps(generated.code) if generated is not None else None
     return Stored(pickle.dumps(nodes, protocol=4), attributes, inputs, constants, code, meta)
 
 
-def decode(stored: Stored, backend: str) -> tuple[Program, Captured]:
+def decode(stored: Stored, backend: str, profile: _cost.Profile) -> tuple[Program, Captured]:
     """The program and capture ``stored`` holds, its runner built for ``backend`` (the fx
-    backend runs the stored code; its graph is built only when asked for).
+    backend runs the stored code; its graph is built only when asked for); ``profile`` is the
+    one stored beside it.
 
     Raises:
         NotStorable: the data does not fit this fddp (another version wrote it).
@@ -256,7 +252,7 @@ def decode(stored: Stored, backend: str) -> tuple[Program, Captured]:
         run,
         meta["output_dependencies"],
         meta["rank_bit"],
-        meta["profile"],
+        profile,
         meta["cap"],
         None,
         meta["gated"],
