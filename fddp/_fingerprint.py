@@ -20,7 +20,6 @@ import dataclasses
 import enum
 import functools
 import hashlib
-import inspect
 import pathlib
 import sys
 import sysconfig
@@ -301,9 +300,7 @@ def _follow(obj: Any, step: str, key: Any) -> Any:
 @functools.cache
 def fddp_source_digest() -> str:
     """A digest of fddp's own source files: a changed fddp never loads an older program."""
-    import fddp
-
-    root = pathlib.Path(inspect.getfile(fddp)).parent
+    root = pathlib.Path(__file__).resolve().parent  # the package: this module sits at its top
     digest = hashlib.sha256()
     for file in sorted(root.rglob("*.py")):
         digest.update(str(file.relative_to(root)).encode())
