@@ -30,6 +30,7 @@ from fddp._pending import block_until_ready
 from fddp._persistent_cache import cache_dir, set_cache_dir
 from fddp._powersgd import powersgd
 from fddp._runtime import init, rank, replicate, shard, world_size
+from fddp._sharded_params import ShardedParams, full_params, shard_params
 from fddp._timeline import plot_timeline
 from fddp._vmap import vmap
 
@@ -43,6 +44,7 @@ __all__ = [
     "ReplicaMismatchError",
     "RetraceWarning",
     "SaveArrivalError",
+    "ShardedParams",
     "ScheduleMismatchError",
     "accumulate_gradients",
     "all_gather",
@@ -54,6 +56,7 @@ __all__ = [
     "data",
     "data_parallel",
     "diloco",
+    "full_params",
     "functional",
     "grad",
     "init",
@@ -73,6 +76,7 @@ __all__ = [
     "save_sharded",
     "set_cache_dir",
     "shard",
+    "shard_params",
     "state",
     "value_and_grad",
     "vmap",

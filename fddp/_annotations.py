@@ -9,3 +9,6 @@ LEAF_PATH = "fddp_leaf"  # the tree path of the leaf a per-leaf collective reduc
 AXIS_INDEX = "fddp_axis_index"  # a value that differs per rank by construction (the rank)
 BUCKET = "fddp_bucket"  # the index of the bucket a node belongs to
 BUCKET_LEAVES = "fddp_leaves"  # on a bucket's launch: the paths of the leaves it holds
+PARAM_GATHER = "fddp_param_gather"  # "argument.bucket" of the nodes that gather sharded parameters
+PARAM_GATHER_KEPT = "fddp_param_gather_kept"  # the gathered bucket is kept for the whole step
+FORWARD = "fddp_forward"  # emitted by the function a gradient differentiates (not its backward)

@@ -20,7 +20,16 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp import _axes, _machine, _pending, _persistent_cache, _runtime, _step_lock, _timeline
+from fddp import (
+    _axes,
+    _machine,
+    _pending,
+    _persistent_cache,
+    _runtime,
+    _sharded_params,
+    _step_lock,
+    _timeline,
+)
 from fddp._agree import Line, find_difference
 from fddp._bucket_policy import CapPolicy
 from fddp._call_check import CallCheck
@@ -147,7 +156,7 @@ class DataParallelStep:
         settle()
         self._replicas.check_digests(args, eager=True)
         with _axes.bind(self._axis()):
-            return self._step_fn(*args)
+            return self._sharded_step(args)(*args)
 
     def _before_run(self, compiled: Compiled, args: tuple, tensors: list[torch.Tensor]) -> None:
         """The replication checks due before this call runs."""
@@ -235,7 +244,7 @@ class DataParallelStep:
         agreed_cap = self._agreed_cap(key, machine, device)
         with _axes.bind(self._axis(traced=True)):
             compiled = _pipeline.compile_step(
-                self._step_fn,
+                self._sharded_step(args),
                 args,
                 tensors,
                 self._options,
@@ -283,6 +292,12 @@ class DataParallelStep:
         cap = torch.tensor([proposed], dtype=torch.int64, device=device)
         dist.broadcast(cap, group=self._group, group_src=0)
         return None if int(cap) < 0 else int(cap)
+
+    def _sharded_step(self, args: tuple) -> Callable[..., Any]:
+        """The step as traced: sharded parameter arguments gathered for it and its outputs in
+        their positions cut back into shards (``fddp.shard_params``)."""
+        with _axes.bind(self._axis()):
+            return _sharded_params.gathering(self._step_fn, args, self._axis_name, self.__name__)
 
     def _compare(self, lines: list[Line]) -> Any:
         return find_difference(lines, self._group) if _runtime.world_size(self._group) > 1 else None

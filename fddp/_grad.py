@@ -8,7 +8,9 @@ from typing import Any
 
 import optree
 import torch
+from torch.fx import traceback as fx_traceback
 
+from fddp._annotations import FORWARD
 from fddp._tree import leaves_with_paths, tensor_leaves
 
 
@@ -94,7 +96,8 @@ def _grad_of_flat(flat_f: Callable[..., Any], n: int, leaf_lists: list[list[torc
     aux_box: list[Any] = []
 
     def with_value(*lists: list[torch.Tensor]) -> Any:
-        value, aux = flat_f(*lists)
+        with fx_traceback.annotate({FORWARD: True}):  # tells a trace's forward from backward
+            value, aux = flat_f(*lists)
         leaves, spec = optree.tree_flatten((value, aux))
         aux_box.append((spec, leaves))
         return value, [x for x in leaves if isinstance(x, torch.Tensor)]

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from fddp import _gathered
 from fddp._collectives import psum
 from fddp._types import (
     GradientTransformation,
@@ -561,8 +562,10 @@ def apply_updates(params: ParamsT, updates: Updates) -> ParamsT:
         )
     if not leaves:
         return params
-    update_leaves = [u.to(p.dtype) for p, u in zip(leaves, update_leaves, strict=True)]
-    return optree.tree_unflatten(spec, _foreach(torch._foreach_add, leaves, update_leaves))
+    cast_leaves = [u.to(p.dtype) for p, u in zip(leaves, update_leaves, strict=True)]
+    results = _foreach(torch._foreach_add, leaves, cast_leaves)
+    _gathered.follow_update(leaves, update_leaves, results)
+    return optree.tree_unflatten(spec, results)
 
 
 def sgd(

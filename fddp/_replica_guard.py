@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from fddp import _digests, _runtime
 from fddp._errors import ReplicaMismatchError
+from fddp._sharded_params import sharded_positions
 from fddp._signature import leaf_paths
 from fddp._tree import leaves_with_paths
 
@@ -51,7 +52,14 @@ class ReplicaGuard:
         self._fed_back: dict[int, tuple[weakref.ref, str, str]] = {}
 
     def _checked(self, args: tuple) -> list[int]:
-        return [n % len(args) for n in self._argnums if -len(args) <= n < len(args)]
+        """The positions checked: those asked for, but sharded parameters (per rank by
+        design)."""
+        sharded = sharded_positions(args)
+        return [
+            n % len(args)
+            for n in self._argnums
+            if -len(args) <= n < len(args) and n % len(args) not in sharded
+        ]
 
     def _several_ranks(self) -> bool:
         return bool(self._argnums) and _runtime.world_size(self._group) > 1

@@ -30,7 +30,7 @@ import optree
 import torch
 import torch.nn.functional as F
 
-from fddp import _bucket_policy
+from fddp import _bucket_policy, _gathered
 from fddp._axes import DEFAULT_AXIS
 from fddp._collectives import (
     ProcessAxis,
@@ -232,19 +232,37 @@ def shard_state(
         buckets = _layout(leaves, n, cap_bytes)
         grads = [_reduce_scatter_mean(_flat_bucket(leaves, b, n), n) for b in buckets]
         param_shards = None
+        gathered: list[_gathered.Piece | None] = [None] * len(buckets)
         if params is not None:
             param_leaves = optree.tree_leaves(params, none_is_leaf=False)
-            param_shards = shards(param_leaves, buckets, n)
+            gathered = [_gathered_bucket(param_leaves, b) for b in buckets]
+            param_shards = [
+                shard if piece is None else piece.shard
+                for piece, shard in zip(gathered, _lazy_shards(param_leaves, buckets, n, gathered))
+            ]
         axes = (*shard_axes, axis_name)  # the shards of a shard: the norm sums over both
         new, inner_state = call_update(inner, takes, grads, state.inner, param_shards, axes)
         out: list[Any] = [None] * len(leaves)
-        for b, shard in zip(buckets, cast("list[torch.Tensor]", new), strict=True):
+        for b, shard, piece in zip(buckets, cast("list[torch.Tensor]", new), gathered, strict=True):
             full = all_gather(shard, axis_name, tiled=True)
             sizes = [leaves[i].numel() for i in b.leaves]
             parts = full[: b.size].split(sizes) if len(sizes) > 1 else [full[: b.size]]
-            for i, part in zip(b.leaves, parts):
-                out[i] = part.view(leaves[i].shape)
+            views = [part.view(leaves[i].shape) for i, part in zip(b.leaves, parts)]
+            for i, view in zip(b.leaves, views):
+                out[i] = view
+            if piece is not None:  # fully sharded parameters: the update of their shard
+                _gathered.note(views, piece.layout, piece.bucket, "updates", shard)
         return optree.tree_unflatten(spec, out), ShardedState(inner_state, state.pieces)
+
+    def _lazy_shards(
+        leaves: list[torch.Tensor],
+        buckets: tuple[Bucket, ...],
+        n: int,
+        gathered: list[_gathered.Piece | None],
+    ) -> list[torch.Tensor | None]:
+        if all(piece is not None for piece in gathered):
+            return [None] * len(buckets)
+        return cast("list[torch.Tensor | None]", shards(leaves, buckets, n))
 
     def _reduce_scatter_mean(flat: torch.Tensor, n: int) -> torch.Tensor:
         # the division runs on the 1/N shard; a wire dtype narrower than the gradients' is
@@ -255,6 +273,17 @@ def shard_state(
         return psum_scatter(flat, axis_name, tiled=True) / n
 
     return GradientTransformation(init, update)
+
+
+def _gathered_bucket(leaves: list[torch.Tensor], bucket: Bucket) -> _gathered.Piece | None:
+    """The fully sharded parameters' bucket that ``bucket`` of ``leaves`` was gathered from,
+    if it is one with this very layout (its shard is then the parameters' shard)."""
+    piece = _gathered.bucket_of([leaves[i] for i in bucket.leaves], "params")
+    if piece is None or getattr(piece.layout, "buckets", ())[piece.bucket : piece.bucket + 1] != (
+        bucket,
+    ):
+        return None
+    return piece
 
 
 def _device(leaves: list[torch.Tensor]) -> torch.device:

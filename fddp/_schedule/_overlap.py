@@ -24,7 +24,7 @@ from typing import cast
 import torch
 from torch import fx
 
-from fddp._annotations import BUCKET
+from fddp._annotations import BUCKET, PARAM_GATHER
 from fddp._schedule._graph import (
     alias_root,
     c10d,
@@ -293,6 +293,11 @@ def _finishes(node: fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target._opname in _FINISHING
 
 
+def _gathers_parameters(node: fx.Node) -> bool:
+    """A gather of fully sharded parameters: ``_param_gathers`` places those."""
+    return PARAM_GATHER in node.meta.get("custom", {})
+
+
 def bound_sharding_collectives(graph: fx.Graph, limit: int = SHARDING_IN_FLIGHT) -> None:
     """At most ``limit`` reduce-scatters and all-gathers in flight (ZeRO-2's memory bound).
 
@@ -303,7 +308,7 @@ def bound_sharding_collectives(graph: fx.Graph, limit: int = SHARDING_IN_FLIGHT)
     finished (summed to this rank's shard, or added to the parameters), so its buffers die.
     """
     nodes = list(graph.nodes)
-    if not any(n.target in SHARDING_COLLECTIVES for n in nodes):
+    if not any(n.target in SHARDING_COLLECTIVES and not _gathers_parameters(n) for n in nodes):
         return
     deps = dependencies(nodes)
     users = dependents(deps)
@@ -330,7 +335,7 @@ def bound_sharding_collectives(graph: fx.Graph, limit: int = SHARDING_IN_FLIGHT)
     for node in nodes:
         if node in done or node.op == "output":
             continue
-        if node.target in SHARDING_COLLECTIVES:
+        if node.target in SHARDING_COLLECTIVES and not _gathers_parameters(node):
             while len(in_flight) >= limit:
                 finish(in_flight.popleft())
             in_flight.append(node)

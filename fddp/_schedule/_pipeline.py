@@ -21,6 +21,7 @@ from fddp._schedule import (
     _cost,
     _gate,
     _overlap,
+    _param_gathers,
     _plan,
     _reinplace,
     _replication,
@@ -60,6 +61,7 @@ def schedule_graph(
     gm = captured.graph
     assert gm is not None  # a capture, not a loaded program
     graph = gm.graph
+    _param_gathers.drop_unused_collectives(graph)
     output_dependencies, rank_bit = _replication.dependencies(graph)
     _overlap.hoist_gradient_sums(graph)
     members = _bucket.find_members(graph)
@@ -71,6 +73,7 @@ def schedule_graph(
     if in_place:
         _bucket.pack_concatenations_in_place(graph)
     _overlap.overlap(graph)
+    _param_gathers.place(graph)
     across_steps = None
     gate = _gate.insert(graph) if in_place else None  # Inductor cannot compile a Python call
     if in_place:

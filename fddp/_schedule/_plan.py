@@ -7,6 +7,7 @@ import dataclasses
 from torch import fx
 
 from fddp._annotations import BUCKET_LEAVES, LEAF_PATH
+from fddp._schedule import _param_gathers
 from fddp._schedule._bucket import BucketNodes
 from fddp._schedule._graph import is_collective, is_compute, nbytes
 
@@ -23,6 +24,10 @@ class CollectivePlan:
         dtype: dtype on the wire.
         launch: compute nodes that run before the launch.
         wait: compute nodes that run before the wait.
+        gather: for a gather of fully sharded parameters, which: ``"params 0.3, 2 of 2"`` is
+            the second of two gathers of bucket 3 of argument 0; else empty.
+        freed: for such a gather, compute nodes that run before the gathered parameters'
+            last use (they are freed after it); else -1.
     """
 
     kind: str
@@ -32,6 +37,8 @@ class CollectivePlan:
     dtype: str
     launch: int
     wait: int
+    gather: str = ""
+    freed: int = -1
 
     @property
     def overlapped(self) -> int:
@@ -55,6 +62,11 @@ class Plan:
     def buckets(self) -> tuple[CollectivePlan, ...]:
         return tuple(c for c in self.collectives if c.bucket is not None)
 
+    @property
+    def gathers(self) -> tuple[CollectivePlan, ...]:
+        """The gathers of fully sharded parameters, in launch order."""
+        return tuple(c for c in self.collectives if c.gather)
+
     def __str__(self) -> str:
         head = f"{'#':>3} {'kind':<14} {'MiB':>8} {'dtype':<9} {'launch':>7} {'wait':>7} "
         head += f"{'overlap':>8}  leaves"
@@ -63,13 +75,16 @@ class Plan:
             leaves = ", ".join(c.leaves[:3]) + (
                 f" (+{len(c.leaves) - 3})" if len(c.leaves) > 3 else ""
             )
+            if c.gather:
+                leaves = f"gather {c.gather}, freed after node {c.freed}: {leaves}"
             rows.append(
                 f"{i:>3} {c.kind:<14} {c.nbytes / 2**20:>8.3f} {c.dtype:<9} {c.launch:>7} "
                 f"{c.wait:>7} {c.overlapped:>8}  {leaves}"
             )
-        n, b = len(self.collectives), len(self.buckets)
+        n, b, g = len(self.collectives), len(self.buckets), len(self.gathers)
+        gathers = f", {g} parameter gather{'s' * (g != 1)}" if g else ""
         rows.append(
-            f"{n} collective{'s' * (n != 1)} ({b} bucketed all-reduce{'s' * (b != 1)}) over "
+            f"{n} collective{'s' * (n != 1)} ({b} bucketed all-reduce{'s' * (b != 1)}{gathers}) over "
             f"{self.compute_nodes} compute nodes; captured with {self.captured_with} in "
             f"{self.capture_seconds:.2f} s"
         )
@@ -99,15 +114,19 @@ def describe(
         wait = next(iter(node.users))
         bucket = by_launch.get(node)
         source = node.args[0]
+        gathered = _param_gathers.describe(node)
+        leaves = tuple(m.path for m in bucket.members) if bucket else (source.name,)
         plans.append(
             CollectivePlan(
                 kind=node.target._opname,
                 bucket=bucket.index if bucket else None,
-                leaves=tuple(m.path for m in bucket.members) if bucket else (source.name,),
+                leaves=gathered.leaves if gathered else leaves,
                 nbytes=nbytes(source),
                 dtype=str(source.meta["val"].dtype).removeprefix("torch."),
                 launch=compute_before[node],
                 wait=compute_before[wait],
+                gather=gathered.which if gathered else "",
+                freed=compute_before[gathered.last_use] if gathered else -1,
             )
         )
     return Plan(tuple(plans), count, capture_seconds, captured_with)

@@ -1,0 +1,244 @@
+"""Where fully sharded parameters are gathered, and for how long a gathered bucket lives.
+
+The trace gathers every bucket of sharded parameters once, at the start of the step (the
+nodes ``fddp.shard_params``' gather leaves annotated). This pass gives each bucket one gather
+per *span* of its uses: a span ends where the step turns from a forward pass to its backward
+pass (or from a microbatch's backward pass to the next forward pass) and other buckets are used
+before this one is used again, unless the bucket is kept for the whole step
+(``reshard_after_forward=False``). Each span's gather is
+waited for just before the span's first use; its launch runs ``PREFETCH`` gathers earlier, just
+after the wait of the gather that many places before it (FSDP2's forward and backward
+prefetch, from the graph instead of module hooks). A gathered bucket then dies after the last
+use of its span: the FX code frees every value after its last use.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import NamedTuple
+
+from torch import fx
+
+from fddp._annotations import FORWARD, LEAF_PATH, PARAM_GATHER, PARAM_GATHER_KEPT
+from fddp._schedule._graph import is_collective, is_view, is_wait, mutated_inputs
+
+PREFETCH = 1  # gathers in flight ahead of the one being waited for
+INSTANCE = "fddp_gather_instance"  # on every node of one gather: (bucket key, span index)
+SPANS = "fddp_gather_spans"  # on a gather's launch: how many gathers its bucket has
+
+
+class Gather(NamedTuple):
+    """One gather of one bucket: its launch, its wait and the uses it serves."""
+
+    key: str
+    span: int
+    spans: int
+    launch: fx.Node
+    wait: fx.Node
+    first_use: fx.Node
+    last_use: fx.Node
+
+
+def _tag(node: fx.Node, key: str) -> object:
+    return node.meta.get("custom", {}).get(key)
+
+
+def drop_unused_collectives(graph: fx.Graph) -> int:
+    """Remove collectives whose result nobody reads (an all-gather of updates that a fully
+    sharded step never needs); every rank compiles the same graph, so all drop the same."""
+    dropped = 0
+    for wait in [n for n in graph.nodes if is_wait(n) and not n.users]:
+        launch = wait.args[0]
+        if not isinstance(launch, fx.Node) or not is_collective(launch):
+            continue
+        if len(launch.users) != 1 or mutated_inputs(launch):
+            continue
+        graph.erase_node(wait)
+        graph.erase_node(launch)
+        dropped += 1
+    if dropped:
+        graph.eliminate_dead_code()
+    return dropped
+
+
+def _groups(graph: fx.Graph) -> dict[str, list[fx.Node]]:
+    groups: dict[str, list[fx.Node]] = collections.defaultdict(list)
+    for node in graph.nodes:
+        key = _tag(node, PARAM_GATHER)
+        if isinstance(key, str):
+            groups[key].append(node)
+    return {k: v for k, v in groups.items() if sum(map(is_collective, v)) == 1}
+
+
+def _views_of(members: set[fx.Node]) -> list[fx.Node]:
+    """The views outside ``members`` of the tensors they hold, in graph order."""
+    views: set[fx.Node] = set()
+    frontier = list(members)
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user not in members and user not in views and is_view(user):
+                views.add(user)
+                frontier.append(user)
+    return sorted(views)
+
+
+class _Bucket:
+    def __init__(self, key: str, members: list[fx.Node]) -> None:
+        self.key, self.members = key, members
+        self.kept = bool(_tag(members[0], PARAM_GATHER_KEPT))
+        self.launch = next(n for n in members if is_collective(n))
+        self.views = _views_of(set(members))
+        self.family = set(members) | set(self.views)
+        self.uses = sorted({u for n in self.family for u in n.users if u not in self.family})
+
+
+def _spans(buckets: list[_Bucket]) -> dict[str, list[list[fx.Node]]]:
+    """Each bucket's uses cut where the step turns from a forward pass to its backward pass or
+    back (the next microbatch) and other buckets are used in between (FSDP2's resharding
+    after forward, which is moot for the last layers: their backward follows at once)."""
+    users: dict[fx.Node, list[_Bucket]] = collections.defaultdict(list)
+    for bucket in buckets:
+        for use in bucket.uses:
+            users[use].append(bucket)
+    spans: dict[str, list[list[fx.Node]]] = {b.key: [] for b in buckets}
+    last: dict[str, tuple[int, bool]] = {}
+    for k, use in enumerate(sorted(users)):
+        forward = bool(_tag(use, FORWARD))
+        for bucket in users[use]:
+            before, was_forward = last.get(bucket.key, (-1, forward))
+            turned = was_forward != forward and before < k - 1
+            if bucket.key not in last or (turned and not bucket.kept):
+                spans[bucket.key].append([])
+            spans[bucket.key][-1].append(use)
+            last[bucket.key] = k, forward
+    return spans
+
+
+def _copy_for(graph: fx.Graph, bucket: _Bucket, span: list[fx.Node], index: int) -> None:
+    """A second (third...) gather of ``bucket`` for the uses in ``span``, rewired to it."""
+    mapping: dict[fx.Node, fx.Node] = {}
+
+    def copy(node: fx.Node) -> fx.Node:
+        if node not in mapping:
+            for parent in node.all_input_nodes:
+                if parent in bucket.family:
+                    copy(parent)
+            with graph.inserting_before(span[0]):
+                mapping[node] = graph.node_copy(node, lambda a: mapping.get(a, a))
+            mapping[node].meta[INSTANCE] = (bucket.key, index)
+        return mapping[node]
+
+    for node in bucket.members:
+        copy(node)
+    for use in span:
+        for parent in list(use.all_input_nodes):
+            if parent in bucket.family:
+                use.replace_input_with(parent, copy(parent))
+
+
+def _launch_chain(members: list[fx.Node], launch: fx.Node) -> list[fx.Node]:
+    """The members that prepare the launch, with it, in graph order."""
+    chain = {launch}
+    for node in reversed(members):
+        if node in chain:
+            chain.update(p for p in node.all_input_nodes if p in members)
+    return [n for n in members if n in chain]
+
+
+def _movable(chain: list[fx.Node]) -> bool:
+    """A launch chain reads only placeholders (the shards) and itself."""
+    inside = set(chain)
+    return all(p in inside or p.op == "placeholder" for n in chain for p in n.all_input_nodes)
+
+
+def place(graph: fx.Graph, prefetch: int = PREFETCH) -> list[Gather]:
+    """Gather each bucket once per span of its uses, prefetched ``prefetch`` gathers ahead."""
+    buckets = [_Bucket(k, m) for k, m in _groups(graph).items()]
+    buckets = [b for b in buckets if b.uses]
+    if not buckets:
+        return []
+    spans = _spans(buckets)
+    for bucket in buckets:
+        for node in bucket.members:
+            node.meta[INSTANCE] = (bucket.key, 0)
+        for index, span in enumerate(spans[bucket.key][1:], start=1):
+            _copy_for(graph, bucket, span, index)
+    instances: dict[tuple[str, int], list[fx.Node]] = collections.defaultdict(list)
+    for node in graph.nodes:
+        if INSTANCE in node.meta:
+            instances[node.meta[INSTANCE]].append(node)
+    order = sorted(
+        ((spans[key][index][0], key, index) for key, index in instances),
+        key=lambda t: t[0],
+    )
+    heads = [n for n in graph.nodes if n.op == "placeholder"]
+    start = heads[-1] if heads else None
+    gathers = []
+    for j, (first_use, key, index) in enumerate(order):
+        nodes = instances[(key, index)]
+        launch = next(n for n in nodes if is_collective(n))
+        chain = _launch_chain(nodes, launch)
+        rest = [n for n in nodes if n not in set(chain)]
+        for node in rest:
+            first_use.prepend(node)
+        if _movable(chain):
+            anchor = order[j - prefetch][0] if j >= prefetch else None
+            if anchor is not None and rest and rest[0] < anchor:  # two first uses at one node
+                anchor = rest[0]
+            for node in chain:
+                if anchor is not None:
+                    anchor.prepend(node)
+                elif start is not None:
+                    start.append(node)
+                    start = node
+                else:
+                    graph.find_nodes(op="output")[0].prepend(node)
+        wait = next(u for u in launch.users if is_wait(u))
+        launch.meta[SPANS] = len(spans[key])
+        span = spans[key][index]
+        gathers.append(Gather(key, index, len(spans[key]), launch, wait, first_use, span[-1]))
+    _sink_views(graph)
+    graph.eliminate_dead_code()
+    return gathers
+
+
+def _sink_views(graph: fx.Graph) -> None:
+    """Every view of a gathered bucket just before its first user (views cost nothing)."""
+    tagged = [n for n in graph.nodes if INSTANCE in n.meta]
+    family = set(tagged)
+    for view in _views_of(family):
+        family.add(view)
+    for node in sorted(family, reverse=True):
+        if _tag(node, PARAM_GATHER) is not None or not (is_view(node) or INSTANCE not in node.meta):
+            continue
+        if not node.users:  # a view that the uses rewired to another gather no longer read
+            graph.erase_node(node)
+            continue
+        first = min(node.users)
+        if node.next is not first:
+            first.prepend(node)
+
+
+class Described(NamedTuple):
+    which: str  # "params 0.3, 2 of 2"
+    leaves: tuple[str, ...]
+    last_use: fx.Node
+
+
+def describe(launch: fx.Node) -> Described | None:
+    """For the plan: which gather ``launch`` is and the last use of what it gathered."""
+    instance = launch.meta.get(INSTANCE)
+    if instance is None:
+        return None
+    key, index = instance
+    spans = launch.meta.get(SPANS, 1)
+    members = {n for n in launch.graph.nodes if n.meta.get(INSTANCE) == instance}
+    family = members | set(_views_of(members))
+    uses = [u for n in family for u in n.users if u not in family]
+    leaves = _tag(launch, LEAF_PATH)
+    return Described(
+        f"params {key}, {index + 1} of {spans}",
+        tuple(leaves) if isinstance(leaves, tuple) else (),
+        max(uses) if uses else launch,
+    )

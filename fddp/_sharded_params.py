@@ -1,0 +1,316 @@
+"""Fully sharded parameters (ZeRO-3, FSDP): at rest, each replica holds 1/N of every bucket.
+
+The layout is ``shard_state``'s: whole leaves in flattening order grouped into flat buckets of
+one dtype, bucket ``b`` padded to ``N * c_b`` elements, replica ``r`` holding elements
+``r*c_b`` to ``(r+1)*c_b`` (``torch.chunk``'s split). With the same cap, a bucket of
+parameters and the bucket of its gradients that ``shard_state`` reduce-scatters are the same
+elements, so the optimizer updates the parameter shards where they rest.
+
+Inside a traced step a :class:`ShardedParams` argument is gathered bucket by bucket into the
+full tree the step expects; the compiler (``_schedule._param_gathers``) places each gather just
+ahead of the parameters' first use and gathers again where they are used after other buckets
+(the backward pass). The output in the same position is cut back into shards: where it is
+``apply_updates(params, updates)`` of ``shard_state`` updates, each shard is this replica's
+parameter shard plus its update shard, and the updates are never gathered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+from torch.fx import traceback as fx_traceback
+
+from fddp import _axes, _gathered
+from fddp._annotations import LEAF_PATH, PARAM_GATHER, PARAM_GATHER_KEPT
+from fddp._axes import DEFAULT_AXIS
+from fddp._collectives import (
+    ProcessAxis,
+    all_gather,
+    axis_index,
+    axis_size,
+    named_axis,
+    process_axis,
+)
+from fddp._errors import UsageValueError
+from fddp._tree import path_str, tensor_leaves
+from fddp._zero import Bucket, _flat_bucket, _layout, _own_chunk, _own_slice
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a parameter tree is cut into shards: compiled into the step, the same on every rank.
+
+    Attributes:
+        tree: the full parameter tree's structure.
+        shapes, dtypes: of its leaves, in flattening order.
+        paths: the leaves' readable paths.
+        buckets: the flat buckets (``shard_state``'s, for the same cap).
+        replicas: how many replicas share each bucket.
+        comm_dtype: the dtype of the gathers (None: the parameters' own).
+        reshard_after_forward: gather again for the backward pass (True) or keep the gathered
+            parameters from their first use to their last (False).
+    """
+
+    tree: optree.PyTreeSpec
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    paths: tuple[str, ...]
+    buckets: tuple[Bucket, ...]
+    replicas: int
+    comm_dtype: torch.dtype | None
+    reshard_after_forward: bool
+
+    def __repr__(self) -> str:  # the step's signature compares it across ranks
+        return (
+            f"Layout({len(self.shapes)} leaves in {len(self.buckets)} buckets over "
+            f"{self.replicas} replicas, comm_dtype={self.comm_dtype}, "
+            f"reshard_after_forward={self.reshard_after_forward}, buckets="
+            f"{[(b.leaves[0], b.leaves[-1], b.size) for b in self.buckets]}, tree={self.tree})"
+        )
+
+    def shard_bytes(self) -> int:
+        return sum(b.chunk * self.dtypes[b.leaves[0]].itemsize for b in self.buckets)
+
+    def full_bytes(self) -> int:
+        return sum(b.size * self.dtypes[b.leaves[0]].itemsize for b in self.buckets)
+
+
+class ShardedParams:
+    """A parameter tree at rest as this replica's shards: one flat tensor per bucket.
+
+    Made by :func:`fddp.shard_params`; pass it where the step takes its parameters. Inside
+    ``data_parallel`` the step sees the full tree; ``fddp.full_params`` gathers it outside.
+    A pytree whose leaves are the shards (the layout is static), so ``fddp.save_sharded``,
+    ``fddp.optim.state_bytes`` and tree utilities take it as it is.
+    """
+
+    __slots__ = ("layout", "shards")
+
+    def __init__(self, shards: tuple[torch.Tensor, ...], layout: Layout) -> None:
+        self.shards, self.layout = tuple(shards), layout
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedParams({len(self.layout.shapes)} leaves in {len(self.shards)} shards, "
+            f"{self.layout.shard_bytes()} of {self.layout.full_bytes()} bytes on this replica)"
+        )
+
+
+optree.register_pytree_node(
+    ShardedParams,
+    lambda s: (s.shards, s.layout),
+    lambda layout, shards: ShardedParams(tuple(shards), layout),
+    namespace=optree.registry.__GLOBAL_NAMESPACE,  # type: ignore[attr-defined]  # fddp's trees
+)
+
+
+def shard_params(
+    params: Any,
+    axis_name: str = DEFAULT_AXIS,
+    *,
+    bucket_cap_mb: float | None = None,
+    comm_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool = True,
+    group: dist.ProcessGroup | None = None,
+) -> ShardedParams:
+    """This replica's shards of ``params``, for a fully sharded step (ZeRO-3, FSDP).
+
+    Pass the result where the step takes its parameters: ``data_parallel`` gathers each bucket
+    just ahead of its first use inside the step, which sees the full tree as before, and the
+    step's output in the same position comes back as shards. Pair it with
+    ``fddp.optim.shard_state`` (same ``bucket_cap_mb``) so that gradients are reduce-scattered
+    and the update touches shards only: parameters, gradients and optimizer state at rest are
+    then ``1/N`` of the replicated step's.
+
+    Args:
+        params: the full parameter tree (every replica passes the same values).
+        axis_name: the replica axis to shard over (``"data"``: the process group).
+        bucket_cap_mb: bytes of parameters per bucket (one gather each); None: the rule
+            ``shard_state`` uses by default, so that the two layouts agree.
+        comm_dtype: gather in this dtype (e.g. ``torch.bfloat16``); the step sees the
+            parameters cast back to their own dtype.
+        reshard_after_forward: True (FSDP2's default) frees each bucket after its forward
+            use and gathers it again for the backward pass; False gathers once per step and
+            keeps it until its last use (gradient accumulation then gathers once per step,
+            not once per microbatch).
+        group: outside a transform, the process group to shard over (default: the world;
+            pass the group the step's ``data_parallel`` uses).
+
+    Returns:
+        A :class:`ShardedParams`; ``fddp.full_params`` gives the full tree back.
+    """
+    if bucket_cap_mb is not None and bucket_cap_mb <= 0:
+        raise ValueError(f"shard_params: bucket_cap_mb must be positive; got {bucket_cap_mb}.")
+    if isinstance(params, ShardedParams):
+        raise TypeError("shard_params: these parameters are already sharded.")
+    paths = optree.tree_paths(params)
+    leaves, tree = tensor_leaves(params, "shard_params' params")
+    if not leaves:
+        raise ValueError("shard_params: the parameter tree has no tensors to shard.")
+    cap = None if bucket_cap_mb is None else max(1, int(bucket_cap_mb * 2**20))
+    with _bound(axis_name, group):
+        replicas = axis_size(axis_name)
+        layout = Layout(
+            tree,
+            tuple(tuple(x.shape) for x in leaves),
+            tuple(x.dtype for x in leaves),
+            tuple(path_str(p) for p in paths),
+            _layout(leaves, replicas, cap),
+            replicas,
+            comm_dtype,
+            reshard_after_forward,
+        )
+        return ShardedParams(tuple(_own_shards(leaves, layout, axis_name)), layout)
+
+
+def _bound(axis_name: str, group: dist.ProcessGroup | None) -> contextlib.AbstractContextManager:
+    """``axis_name`` bound to ``group`` where one is given (else as the caller bound it)."""
+    if group is None:
+        return contextlib.nullcontext()
+    return _axes.bind(process_axis(axis_name, group))
+
+
+def _own_shards(leaves: list[torch.Tensor], layout: Layout, axis_name: str) -> list[torch.Tensor]:
+    """Copies of this replica's elements only."""
+    leaves = [x.detach() for x in leaves]
+    return [_own_shard_of_bucket(leaves, b, layout, axis_name).clone() for b in layout.buckets]
+
+
+def _check_replicas(sharded: ShardedParams, axis_name: str) -> None:
+    if axis_size(axis_name) != sharded.layout.replicas:
+        raise ValueError(
+            f"these parameters are sharded over {sharded.layout.replicas} replicas, but axis "
+            f"{axis_name!r} has {axis_size(axis_name)}: reshard them through a checkpoint "
+            "(fddp.save_sharded / fddp.load_sharded) or fddp.full_params."
+        )
+
+
+def full_params(
+    sharded: ShardedParams, axis_name: str = DEFAULT_AXIS, *, group: dist.ProcessGroup | None = None
+) -> Any:
+    """The full parameter tree of ``sharded``, on every replica (one gather per bucket).
+
+    For evaluation and export: ``model.load_state_dict(fddp.full_params(sharded))`` takes it
+    when the tree is the dict of ``fddp.state(model)``.
+    """
+    if not isinstance(sharded, ShardedParams):
+        raise TypeError(
+            f"full_params takes the ShardedParams made by fddp.shard_params, not a "
+            f"{type(sharded).__name__}."
+        )
+    with _bound(axis_name, group):
+        _check_replicas(sharded, axis_name)
+        return _unpacked(sharded, axis_name, annotate=None)
+
+
+def _unpacked(sharded: ShardedParams, axis_name: str, annotate: str | None) -> Any:
+    layout = sharded.layout
+    leaves: list[Any] = [None] * len(layout.shapes)
+    for b, (bucket, shard) in enumerate(zip(layout.buckets, sharded.shards, strict=True)):
+        tags: dict[str, object] = {}
+        if annotate is not None:
+            tags = {PARAM_GATHER: f"{annotate}.{b}", LEAF_PATH: _bucket_paths(layout, bucket)}
+        if tags and not layout.reshard_after_forward:
+            tags[PARAM_GATHER_KEPT] = True
+        with fx_traceback.annotate(tags) if tags else contextlib.nullcontext():
+            dtype = shard.dtype
+            wire_dtype = layout.comm_dtype if annotate is not None else None  # exact outside
+            wire = shard if wire_dtype in (None, dtype) else shard.to(wire_dtype)
+            full = all_gather(wire, axis_name, tiled=True)
+            full = full if full.dtype == dtype else full.to(dtype)
+            sizes = [math.prod(layout.shapes[i]) for i in bucket.leaves]
+            parts = full[: bucket.size].split(sizes)
+            views = [p.view(layout.shapes[i]) for p, i in zip(parts, bucket.leaves)]
+        for i, view in zip(bucket.leaves, views):
+            leaves[i] = view
+        if annotate is not None:
+            _gathered.note(views, layout, b, "params", shard)
+    return optree.tree_unflatten(layout.tree, leaves)
+
+
+def _bucket_paths(layout: Layout, bucket: Bucket) -> tuple[str, ...]:
+    return tuple(layout.paths[i] for i in bucket.leaves)
+
+
+def _resharded(tree: Any, layout: Layout, axis_name: str, where: str) -> ShardedParams:
+    leaves, spec = optree.tree_flatten(tree)
+    if spec != layout.tree or any(
+        not isinstance(x, torch.Tensor) or tuple(x.shape) != s or x.dtype != d
+        for x, s, d in zip(leaves, layout.shapes, layout.dtypes)
+    ):
+        raise UsageValueError(
+            f"{where} takes sharded parameters, so the step's output in the same position must "
+            "be the new parameters, with the same tree, shapes and dtypes (they are cut back "
+            f"into shards); it returned {_short(tree)}. Return the parameters at the position "
+            "of the argument they came in, or pass the full tree (not fddp.shard_params)."
+        )
+    shards = []
+    for b, bucket in enumerate(layout.buckets):
+        members = [leaves[i] for i in bucket.leaves]
+        piece = _gathered.bucket_of(members, "params")
+        if piece is not None and piece.layout is layout and piece.bucket == b:
+            shards.append(piece.shard)
+        else:
+            shards.append(_own_shard_of_bucket(leaves, bucket, layout, axis_name))
+    return ShardedParams(tuple(shards), layout)
+
+
+def _own_shard_of_bucket(
+    leaves: list[torch.Tensor], bucket: Bucket, layout: Layout, axis_name: str
+) -> torch.Tensor:
+    axis = named_axis(axis_name)
+    if isinstance(axis, ProcessAxis):
+        return _own_slice(leaves, bucket, axis.group_rank)
+    flat = _flat_bucket(leaves, bucket, layout.replicas)
+    return _own_chunk(flat, bucket, axis_index(axis_name))
+
+
+def _short(tree: Any) -> str:
+    leaves, spec = optree.tree_flatten(tree)
+    return f"a tree of {len(leaves)} leaves {spec}"
+
+
+def sharded_positions(args: tuple) -> tuple[int, ...]:
+    """The positions of ``args`` that hold :class:`ShardedParams`."""
+    return tuple(i for i, a in enumerate(args) if isinstance(a, ShardedParams))
+
+
+def gathering(step_fn: Callable[..., Any], args: tuple, axis_name: str, where: str) -> Any:
+    """``step_fn`` as a step on ``args``' sharded parameters: each :class:`ShardedParams`
+    argument gathered into its full tree, the output in its position cut back into shards
+    (``step_fn`` itself where no argument is sharded)."""
+    positions = sharded_positions(args)
+    if not positions:
+        return step_fn
+    layouts = {n: args[n].layout for n in positions}
+    for n in positions:  # before tracing: every rank raises it alike
+        _check_replicas(args[n], axis_name)
+
+    def sharded_step(*call_args: Any) -> Any:
+        with _gathered.recording():
+            full = list(call_args)
+            for n in positions:
+                full[n] = _unpacked(call_args[n], axis_name, annotate=str(n))
+            out = step_fn(*full)
+            single = not isinstance(out, tuple)
+            outs = [out] if single else list(out)
+            for n in positions:
+                if n >= len(outs):
+                    raise UsageValueError(
+                        f"{where} takes sharded parameters as argument {n}, so the step must "
+                        f"return the new parameters at position {n}; it returned "
+                        f"{len(outs)} value{'s' * (len(outs) != 1)}."
+                    )
+                outs[n] = _resharded(outs[n], layouts[n], axis_name, where)
+            if single:
+                return outs[0]
+            return tuple(outs) if type(out) is tuple else type(out)(*outs)
+
+    return sharded_step

@@ -1,0 +1,313 @@
+"""Fully sharded parameters (fddp.shard_params): the step sees full parameters, every rank
+keeps 1/N of them, and training equals the replicated step.
+
+Each run is checked against the replicated fddp step with the same optimizer on the same
+global batch: with ``shard_state`` (ZeRO-2, whose equality with the unsharded optimizer
+test_zero checks) and, for the MLP, with the plain optimizer on ``pmean``-averaged gradients.
+One spawn of 3 gloo ranks; ranks 0 and 1 also form a 2-rank group.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import optree
+import pytest
+import torch
+import torch.nn.functional as F
+from _compare import assert_trees_close
+from _dist import run_checks
+from _models import image_batch, mlp, next_token_loss, regression_batch, small_cnn, tiny_decoder
+from _models import token_batch
+
+import fddp
+import fddp.optim as optim
+
+STEPS = 20
+TOL = 1e-6
+TINY = 200 / 2**20  # 200-byte buckets: several per model, uneven over 2 and 3 ranks
+ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
+
+
+def _mlp():
+    model = mlp((6, 9, 9, 5))
+    apply = fddp.functional(model)
+
+    def loss_fn(p, buffers, batch):
+        return F.mse_loss(apply(p, buffers, batch["x"]), batch["y"]), buffers
+
+    return model, loss_fn, lambda i, rows: regression_batch(i, rows, 6, 5)
+
+
+def _gpt():
+    model = tiny_decoder(layers=2)  # the output layer's weight is the token embedding
+    apply = fddp.functional(model)
+
+    def loss_fn(p, buffers, ids):
+        return next_token_loss(apply(p, buffers, ids), ids), buffers
+
+    return model, loss_fn, lambda i, rows: token_batch(i, rows)
+
+
+def _cnn():
+    model = small_cnn()
+    apply = fddp.functional(model, return_buffers=True)
+
+    def loss_fn(p, buffers, batch):
+        logits, new_buffers = apply(p, buffers, batch["x"])
+        return F.cross_entropy(logits, batch["y"]), new_buffers
+
+    return model, loss_fn, lambda i, rows: image_batch(i, rows)
+
+
+MODELS = {"mlp": _mlp, "gpt": _gpt, "cnn": _cnn}
+OPTIMIZERS = {
+    "adamw": lambda: optim.adamw(1e-2, weight_decay=0.1),
+    "sgd_momentum": lambda: optim.sgd(0.05, momentum=0.9),
+    "clip_adamw": lambda: optim.chain(optim.clip_by_global_norm(0.05), optim.adamw(1e-2)),
+}
+
+
+def _rows(tree, group):
+    n, r = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    return optree.tree_map(lambda x: x.chunk(n)[r], tree)
+
+
+def _train(group, model_name, opt_name, mode, *, accumulate=1, wire=None, reshard=True,
+           trace=True, steps=STEPS):
+    """``mode``: "full" (sharded parameters), "zero2" (replicated parameters, shard_state) or
+    "plain" (replicated parameters and optimizer, pmean). Returns the full parameters, the
+    last buffers and the step with its last arguments."""
+    model, loss_fn, data = MODELS[model_name]()
+    params, buffers = fddp.state(model)
+    inner = OPTIMIZERS[opt_name]()
+    opt = inner if mode == "plain" else optim.shard_state(inner, bucket_cap_mb=TINY, comm_dtype=wire)
+    grad_fn = (
+        fddp.accumulate_gradients(loss_fn, accumulate, argnums=0, has_aux=True, batch_argnums=2)
+        if accumulate > 1
+        else fddp.value_and_grad(loss_fn, has_aux=True)
+    )
+
+    @functools.partial(fddp.data_parallel, group=group, trace=trace)
+    def step(p, s, buffers, batch):
+        (loss, new_buffers), g = grad_fn(p, buffers, batch)
+        if accumulate > 1:
+            new_buffers = new_buffers[-1]
+        if mode == "plain":
+            g = fddp.pmean(g)
+        u, s = opt.update(g, s, p)
+        floats = {k: v for k, v in new_buffers.items() if v.is_floating_point()}
+        new_buffers = {**new_buffers, **fddp.pmean(floats)}
+        return optim.apply_updates(p, u), s, new_buffers, fddp.pmean(loss)
+
+    init = fddp.data_parallel(lambda p: opt.init(p), group=group, trace=False)
+    state = init(params)
+    if mode == "full":
+        if wire is not None:  # the reference's forward sees the parameters rounded the same way
+            pass
+        params = fddp.shard_params(
+            params, bucket_cap_mb=TINY, comm_dtype=wire, reshard_after_forward=reshard, group=group
+        )
+    for i in range(steps):
+        batch = _rows(data(i, 12), group)
+        params, state, buffers, _ = step(params, state, buffers, batch)
+    full = fddp.full_params(params, group=group) if mode == "full" else params
+    return full, buffers, (step, params, state, buffers, batch)
+
+
+@functools.cache
+def _pair():
+    return torch.distributed.new_group([0, 1])
+
+
+def _group(world):
+    return torch.distributed.group.WORLD if world == 3 else _pair()
+
+
+CASES = [
+    ("mlp", "adamw", {}),
+    ("mlp", "sgd_momentum", {}),
+    ("mlp", "clip_adamw", {}),
+    ("gpt", "adamw", {}),
+    ("gpt", "adamw", {"reshard": False}),
+    ("cnn", "sgd_momentum", {}),
+    ("gpt", "adamw", {"accumulate": 3}),
+    ("mlp", "adamw", {"accumulate": 2, "reshard": False}),
+    ("mlp", "adamw", {"trace": False}),
+]
+
+
+def check_equal(world: int) -> dict | None:
+    if world == 2 and torch.distributed.get_rank() >= 2:
+        return None
+    group, out = _group(world), {}
+    for model, opt, options in CASES:
+        want = _train(group, model, opt, "zero2", **options)[:2]
+        got = _train(group, model, opt, "full", **options)[:2]
+        out[f"{model} {opt} {options}"] = (want, got)
+    want = _train(group, "mlp", "adamw", "plain")[:2]
+    got = _train(group, "mlp", "adamw", "full")[:2]
+    out["mlp adamw against the plain optimizer"] = (want, got)
+    return out
+
+
+def check_bf16_gathers(world: int, steps: int = STEPS) -> dict | None:
+    """bf16 on the wire both ways: the step's forward sees bf16-rounded parameters."""
+    if world == 2 and torch.distributed.get_rank() >= 2:
+        return None
+    group = _group(world)
+    wire = torch.bfloat16
+    got = _train(group, "mlp", "adamw", "full", wire=wire, steps=steps)[0]
+    exact = _train(group, "mlp", "adamw", "full", steps=steps)[0]
+    # the reference: replicated parameters, rounded for the forward pass only
+    model, loss_fn, data = _mlp()
+    params, buffers = fddp.state(model)
+    opt = optim.shard_state(OPTIMIZERS["adamw"](), bucket_cap_mb=TINY, comm_dtype=wire)
+
+    @functools.partial(fddp.data_parallel, group=group)
+    def step(p, s, batch):
+        rounded = {k: v.to(wire).to(v.dtype) for k, v in p.items()}
+        (loss, _), g = fddp.value_and_grad(loss_fn, has_aux=True)(rounded, buffers, batch)
+        u, s = opt.update(g, s, p)
+        return optim.apply_updates(p, u), s, fddp.pmean(loss)
+
+    state = fddp.data_parallel(lambda p: opt.init(p), group=group, trace=False)(params)
+    for i in range(steps):
+        params, state, _ = step(params, state, _rows(data(i, 12), group))
+    return {"got": got, "want": params, "exact": exact}
+
+
+def _gathers(plan):
+    return [c for c in plan.collectives if c.gather]
+
+
+def check_schedule_and_memory() -> dict:
+    """On 3 ranks: where the gathers go, how many there are, and the bytes at rest."""
+    group = torch.distributed.group.WORLD
+    out = {}
+    for name, options in {
+        "reshard": {},
+        "kept": {"reshard": False},
+        "accumulate 3, kept": {"accumulate": 3, "reshard": False},
+        "accumulate 3, reshard": {"accumulate": 3},
+    }.items():
+        _, _, (step, params, state, buffers, batch) = _train(
+            group, "gpt", "adamw", "full", steps=1, **options
+        )
+        plan = step.schedule(params, state, buffers, batch)
+        graph = step.graph(params, state, buffers, batch).graph
+        gathers = _gathers(plan)
+        out[name] = {
+            "buckets": len(params.shards),
+            "gathers": len(gathers),
+            "which": [c.gather for c in gathers],
+            "before use": all(c.launch <= c.wait <= c.freed for c in gathers),
+            "table": str(plan),
+            "update gathers": sum(
+                1 for n in graph.nodes if n.target is ALL_TO_ALL and "fddp_gather_instance" not in n.meta
+            ) - len(params.shards),  # reduce-scatters are all-to-alls too, one per bucket
+        }
+    _, _, (step, params, state, buffers, batch) = _train(group, "gpt", "adamw", "full", steps=1)
+    full_params = fddp.state(tiny_decoder(layers=2))[0]
+    out["bytes"] = {
+        "shards": sum(s.numel() * s.element_size() for s in params.shards),
+        "full": sum(v.numel() * v.element_size() for v in full_params.values()),
+        "state": optim.state_bytes(state),
+        "full state": optim.state_bytes(OPTIMIZERS["adamw"]().init(full_params)),
+    }
+    return out
+
+
+def check_errors() -> dict:
+    group = torch.distributed.group.WORLD
+    params = fddp.state(mlp((3, 2)))[0]
+    sharded = fddp.shard_params(params)
+    out = {}
+
+    @fddp.data_parallel
+    def wrong_output(p, x):
+        return x.sum(), p
+
+    try:
+        wrong_output(sharded, torch.ones(2))
+    except ValueError as e:
+        out["wrong output"] = str(e)
+    pair = _pair()
+    if torch.distributed.get_rank() < 2:
+        @functools.partial(fddp.data_parallel, group=pair)
+        def step(p, x):
+            return p, x
+
+        try:
+            step(sharded, torch.ones(2))
+        except ValueError as e:
+            out["other world"] = str(e)
+    try:
+        fddp.shard_params({"n": torch.zeros(3, dtype=torch.int64)})
+    except TypeError as e:
+        out["integers"] = str(e)
+    torch.distributed.barrier(group=group)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    checks = {
+        "equal 3": functools.partial(check_equal, 3),
+        "equal 2": functools.partial(check_equal, 2),
+        "bf16 3": functools.partial(check_bf16_gathers, 3),
+        "schedule": check_schedule_and_memory,
+        "errors": check_errors,
+    }
+    return run_checks(checks, 3, timeout=420)
+
+
+@pytest.mark.parametrize("world", [3, 2])
+def test_fully_sharded_training_equals_the_replicated_step(runs, world):
+    results = runs[f"equal {world}"]
+    assert [r is None for r in results] == [False, False, world == 2]
+    for rank, out in enumerate(results[:world]):
+        assert len(out) == len(CASES) + 1
+        for case, (want, got) in out.items():
+            assert_trees_close(got, want, rtol=0, atol=TOL, what=f"rank {rank}, {case}")
+
+
+def test_bf16_gathers_round_the_forward_pass_only(runs):
+    for out in runs["bf16 3"]:
+        assert_trees_close(out["got"], out["want"], rtol=0, atol=TOL)
+        diff = max((out["got"][k] - out["exact"][k]).abs().max().item() for k in out["got"])
+        assert diff > 10 * TOL  # the wire did round
+
+
+def test_gathers_are_placed_per_span_and_updates_are_not_gathered(runs):
+    out = runs["schedule"][0]
+    print(out["reshard"]["table"])
+    for name, found in out.items():
+        if name == "bytes":
+            continue
+        assert found["before use"], (name, found["table"])
+        assert found["update gathers"] == 0, (name, found["table"])
+    buckets = out["reshard"]["buckets"]
+    assert buckets >= 4
+    # kept: one gather per bucket per step, accumulation included (not one per microbatch)
+    assert out["kept"]["gathers"] == buckets
+    assert out["accumulate 3, kept"]["gathers"] == buckets
+    # resharded: gathered again for the backward pass, but the last layers (used back to back)
+    assert buckets < out["reshard"]["gathers"] < 2 * buckets
+    assert out["accumulate 3, reshard"]["gathers"] > 2 * out["reshard"]["gathers"]
+    assert any(w.endswith("2 of 2") for w in out["reshard"]["which"])
+
+
+def test_bytes_at_rest_are_a_third_on_three_ranks(runs):
+    for out in runs["schedule"]:
+        b = out["bytes"]
+        assert b["full"] / 3 <= b["shards"] < b["full"] / 3 * 1.05 + 64, b
+        assert b["state"] < b["full state"] / 3 * 1.05 + 512, b
+
+
+def test_bad_input_raises_clear_errors(runs):
+    for rank, out in enumerate(runs["errors"]):
+        assert "must be the new parameters" in out["wrong output"]
+        assert "integer" in out["integers"] or "floating-point" in out["integers"]
+        if rank < 2:
+            assert "sharded over 3 replicas" in out["other world"]
