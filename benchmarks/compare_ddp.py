@@ -66,6 +66,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--overlap", action="store_true", help="also fddp with overlap_steps=True (fddp+overlap)"
     )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="also fully sharded parameters: fddp.shard_params (fddp+full) against FSDP2 "
+        "(fully_shard per block, fsdp2)",
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the per-variant memory runs")
     p.add_argument("--memory-steps", type=int, default=5)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -91,20 +97,23 @@ class Spec:
     donate: bool = True
     zero: bool = False  # optimizer state sharded: shard_state / ZeroRedundancyOptimizer
     overlap: bool = False  # fddp's overlap_steps=True
+    full: bool = False  # fully sharded parameters (fddp.shard_params)
 
     @classmethod
     def from_name(cls, name: str) -> Spec:
         """The spec of a plain variant name: ``fddp``, ``ddp@5``, ``fddp+zero``..."""
         name, zero = name.removesuffix("+zero"), name.endswith("+zero")
         name, overlap = name.removesuffix("+overlap"), name.endswith("+overlap")
+        name, full = name.removesuffix("+full"), name.endswith("+full")
         kind, _, mb = name.partition("@")
-        return cls(kind, float(mb) if mb else None, zero=zero, overlap=overlap)
+        return cls(kind, float(mb) if mb else None, zero=zero, overlap=overlap, full=full)
 
     @property
     def name(self) -> str:
         name = self.kind + ("" if self.bucket_mb is None else f"@{self.bucket_mb:g}")
         name += "" if self.donate else "-nodonate"
         name += "+overlap" if self.overlap else ""
+        name += "+full" if self.full else ""
         return name + ("+compile" if self.compile else "") + ("+zero" if self.zero else "")
 
 
@@ -132,6 +141,8 @@ def variant_specs(args: argparse.Namespace) -> tuple[Spec, ...]:
         main += [Spec("fddp", zero=True), Spec("ddp", zero=True)]
     if args.overlap:
         main.insert(1, Spec("fddp", overlap=True))
+    if args.fsdp:
+        main[1:1] = [Spec("fddp", full=True), Spec("fsdp2")]
     sweep = []
     if args.sweep:
         sizes = [float(s) for s in args.sweep_mb.split(",")]
@@ -195,6 +206,7 @@ def ddp(spec: Spec, workload: Workload, device: torch.device) -> Variant:
         return {
             "allreduce_bytes": [int(s) for s in str(sizes).split(",") if s.strip()],
             "state_bytes": _state_bytes(opt),
+            "param_bytes": sum(p.numel() * p.element_size() for p in module.parameters()),
         }
 
     step = _eager_step(model, opt, workload)
@@ -208,11 +220,14 @@ def fddp_(spec: Spec, workload: Workload, device: torch.device) -> Variant:
     params, buffers = fddp.state(model)
     params = fddp.replicate(params)
     opt = optim.adamw(lr=LR, weight_decay=WEIGHT_DECAY)
-    opt = optim.shard_state(opt) if spec.zero else opt
+    opt = optim.shard_state(opt) if spec.zero or spec.full else opt
     state = [params, opt.init(params), buffers]
+    if spec.full:
+        state[0] = fddp.shard_params(params)
+        del params
     kwargs: dict[str, Any] = {} if spec.bucket_mb is None else {"bucket_cap_mb": spec.bucket_mb}
     pstep = fddp.data_parallel(
-        _pure_step(model, workload, opt, average_grads=not spec.zero),
+        _pure_step(model, workload, opt, average_grads=not (spec.zero or spec.full)),
         compile=spec.compile,
         donate_argnums=(0, 1) if spec.donate else (),
         overlap_steps=spec.overlap,
@@ -240,13 +255,56 @@ def fddp_(spec: Spec, workload: Workload, device: torch.device) -> Variant:
             "first_call_s": seen["first_call_s"],
             "retraces": pstep.retraces,
             "state_bytes": optim.state_bytes(state[1]),
+            "param_bytes": optim.state_bytes(state[0]),
             "plan": str(plan),
         }
 
     def finish() -> None:
         state[:] = fddp.block_until_ready(state)
 
-    return Variant(step, info, parameters=lambda: dict(state[0]), finish=finish)
+    def parameters() -> dict[str, torch.Tensor]:
+        return dict(fddp.full_params(state[0]) if spec.full else state[0])
+
+    return Variant(step, info, parameters=parameters, finish=finish)
+
+
+def fsdp2(spec: Spec, workload: Workload, device: torch.device) -> Variant:
+    """FSDP2: ``fully_shard`` on every block (each child of a ModuleList or Sequential, or
+    of the model) and on the root, ``reshard_after_forward=True``; AdamW foreach."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    model = build_model(workload, device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in _blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = _adamw(model)
+
+    def local_bytes(tensors: list[torch.Tensor]) -> int:
+        local = [x.to_local() if isinstance(x, DTensor) else x for x in tensors]
+        return sum(x.numel() * x.element_size() for x in local)
+
+    def info() -> dict[str, Any]:
+        states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return {
+            "state_bytes": local_bytes(states),
+            "param_bytes": local_bytes(list(model.parameters())),
+        }
+
+    def parameters() -> dict[str, torch.Tensor]:
+        return {k: v.full_tensor().detach() for k, v in model.named_parameters()}
+
+    return Variant(_eager_step(model, opt, workload), info, parameters=parameters)
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks FSDP2 wraps one by one: the children of the model's ModuleLists
+    and Sequentials, else its children with parameters."""
+    lists = [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]
+    found = [c for m in lists for c in m.children() if any(True for _ in c.parameters())]
+    return found or [c for c in model.children() if any(True for _ in c.parameters())]
 
 
 def _pure_step(
@@ -298,7 +356,14 @@ def allreduce(spec: Spec, workload: Workload, device: torch.device) -> Variant:
     return Variant(lambda batch: dist.all_reduce(flat), lambda: {"allreduce_bytes": [nbytes]})
 
 
-KINDS = {"local": local, "fddp": fddp_, "ddp": ddp, "forward": forward, "allreduce": allreduce}
+KINDS = {
+    "local": local,
+    "fddp": fddp_,
+    "ddp": ddp,
+    "fsdp2": fsdp2,
+    "forward": forward,
+    "allreduce": allreduce,
+}
 
 
 def build(spec: Spec, workload: Workload, device: torch.device) -> Variant:
@@ -504,6 +569,8 @@ def run_regime(args: argparse.Namespace, regime: str) -> dict[str, Any]:
 def run_memory(args: argparse.Namespace) -> dict[str, Any]:
     """Each variant alone in fresh ranks, so that its peak RSS is its own."""
     memory_specs = [Spec("local"), Spec("fddp"), Spec("fddp", donate=False), Spec("ddp")]
+    if args.fsdp:
+        memory_specs += [Spec("fddp", full=True), Spec("fsdp2")]
     out: dict[str, Any] = {}
     for name in args.workloads.split(","):
         out[name] = {}

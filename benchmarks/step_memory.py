@@ -1,5 +1,6 @@
 """Bytes allocated at once within one training step, per variant, on 2 gloo ranks:
 python benchmarks/step_memory.py --workload mlp --variants fddp,fddp+zero,ddp,ddp+zero
+(fully sharded parameters against FSDP2: --variants fddp+zero,fddp+full,fsdp2,ddp)
 
 Peak RSS (compare_ddp.py's memory runs) also counts memory the allocator keeps after a free;
 this counts live tensor bytes: the torch profiler's allocation events of one step after warm-up,
@@ -48,10 +49,17 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> No
         dist.barrier()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             variant.step(batches[0])
+        info = variant.info()
+        rest = info.get("param_bytes", 0) + (info.get("state_bytes") or 0)
         peaks = [None] * world
-        dist.all_gather_object(peaks, peak_bytes(prof))
+        dist.all_gather_object(peaks, (peak_bytes(prof), rest))
         if rank == 0:
-            print(f"{args.workload} {name}: {max(peaks) / 2**20:.1f} MiB allocated at most")
+            step, at_rest = max(p for p, _ in peaks), max(r for _, r in peaks)
+            print(
+                f"{args.workload} {name}: {step / 2**20:.1f} MiB allocated at most within the "
+                f"step; parameters + optimizer state at rest {at_rest / 2**20:.1f} MiB; "
+                f"together {(step + at_rest) / 2**20:.1f} MiB"
+            )
         del variant
     dist.destroy_process_group()
 

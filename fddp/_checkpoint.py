@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from fddp import _machine, _pending, _runtime
 from fddp._errors import RankFailureError, SaveArrivalError
+from fddp._sharded_params import ShardedParams
 from fddp._types import TensorTree
 from fddp._zero import ShardedState
 
@@ -374,13 +375,18 @@ def _refuse_sharded_state(tree: TensorTree) -> None:
     """Refuse a rank0_only save of sharded optimizer state: rank 0's file would hand rank 0's
     shards to every rank that loads it, and the parameters would drift apart unnoticed."""
     accessors, leaves, _ = optree.tree_flatten_with_accessor(
-        tree, is_leaf=lambda x: isinstance(x, ShardedState)
+        tree, is_leaf=lambda x: isinstance(x, (ShardedState, ShardedParams))
     )
     for accessor, leaf in zip(accessors, leaves):
-        if isinstance(leaf, ShardedState):
+        if isinstance(leaf, (ShardedState, ShardedParams)):
+            what = (
+                "the state of fddp.optim.shard_state"
+                if isinstance(leaf, ShardedState)
+                else "fully sharded parameters (fddp.shard_params)"
+            )
             raise TypeError(
-                f"fddp.save: leaf {accessor.codify('') or '<root>'} is the state of "
-                "fddp.optim.shard_state, whose shards differ between ranks; a rank0_only save "
+                f"fddp.save: leaf {accessor.codify('') or '<root>'} is {what}, whose shards "
+                "differ between ranks; a rank0_only save "
                 "would write rank 0's shards only, and every rank would load them. Save it with "
                 "fddp.save_sharded(directory, tree) on every rank (it loads on any number of "
                 "ranks), or each rank's own file with fddp.save(path_of_this_rank, tree, "

@@ -45,6 +45,7 @@ from fddp._checkpoint import (
     _writing_lock,
 )
 from fddp._errors import RankFailureError
+from fddp._sharded_params import ShardedParams
 from fddp._tree import path_str
 from fddp._types import TensorTree
 from fddp._zero import ShardedState
@@ -82,7 +83,15 @@ _LIKE_ADVICE = (
 
 
 def _is_sharded(x: Any) -> bool:
-    return isinstance(x, ShardedState)
+    return isinstance(x, (ShardedState, ShardedParams))
+
+
+def _param_pieces(params: ShardedParams, rank: int) -> list[tuple[int, ...]]:
+    """Each bucket's ``(shard_length, offset, length, bucket_size)`` on ``rank``."""
+    return [
+        (b.chunk, rank * b.chunk, max(0, min(b.chunk, b.size - rank * b.chunk)), b.size)
+        for b in params.layout.buckets
+    ]
 
 
 def _world(group: dist.ProcessGroup | None) -> tuple[int, dist.ProcessGroup | None]:
@@ -92,20 +101,25 @@ def _world(group: dist.ProcessGroup | None) -> tuple[int, dist.ProcessGroup | No
     return dist.get_world_size(group), group
 
 
-def _entries(tree: Any) -> list[tuple[str, Any, tuple[int, ...] | None]]:
+def _entries(tree: Any, rank: int) -> list[tuple[str, Any, tuple[int, ...] | None]]:
     """``(key, leaf, piece)`` for every leaf; ``piece`` is ``(shard_length, offset, length,
     bucket_size)`` for a leaf that holds this rank's part of a bucket of a ``ShardedState``.
 
     Inside a ``ShardedState``, a leaf is bucket ``b``'s part when it is 1-d, its path ends in
     the list index ``b`` and its length is that bucket's shard length (the per-parameter state
     of every fddp optimizer); the ``pieces`` table itself is not saved: it depends on the world
-    size and comes from ``like`` on load.
+    size and comes from ``like`` on load. A ``ShardedParams``' shards are the same kind of
+    parts of its buckets, on ``rank``.
     """
     out: list[tuple[str, Any, tuple[int, ...] | None]] = []
     paths, leaves, _ = optree.tree_flatten_with_path(tree, is_leaf=_is_sharded)
     for path, leaf in zip(paths, leaves):
         if not _is_sharded(leaf):
             out.append((path_str(path), leaf, None))
+            continue
+        if isinstance(leaf, ShardedParams):
+            for index, (x, piece) in enumerate(zip(leaf.shards, _param_pieces(leaf, rank))):
+                out.append((path_str((*path, "shards", index)), x, piece))
             continue
         pieces = [tuple(int(v) for v in row) for row in leaf.pieces.tolist()]
         inner_paths, inner_leaves, _ = optree.tree_flatten_with_path(leaf.inner)
@@ -207,9 +221,9 @@ def save_sharded(
         tensor([1., 1., 1.])
     """
     path = os.fspath(path)
-    entries = _entries(_pending.finished(tree))
     n, group = _world(group)
     rank = dist.get_rank(group) if group is not None else 0
+    entries = _entries(_pending.finished(tree), rank)
     start = time.monotonic()
     error: BaseException | None = None
     state_dict: dict[str, Any] = {}
@@ -317,9 +331,9 @@ def load_sharded(
         RankFailureError: If another rank died or the process group already failed.
     """
     path = os.fspath(path)
-    entries = _entries(like)
     n, group = _world(group)
     rank = dist.get_rank(group) if group is not None else 0
+    entries = _entries(like, rank)
     start = time.monotonic()
     source, error = None, None
     try:
@@ -911,6 +925,9 @@ def _rebuild(like: Any, values: Iterator[Any]) -> Any:
     for leaf in leaves:
         if not _is_sharded(leaf):
             out.append(next(values))
+            continue
+        if isinstance(leaf, ShardedParams):
+            out.append(ShardedParams(tuple(next(values) for _ in leaf.shards), leaf.layout))
             continue
         inner_leaves, inner_spec = optree.tree_flatten(leaf.inner)
         inner = optree.tree_unflatten(inner_spec, [next(values) for _ in inner_leaves])

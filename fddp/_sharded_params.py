@@ -107,7 +107,7 @@ optree.register_pytree_node(
     ShardedParams,
     lambda s: (s.shards, s.layout),
     lambda layout, shards: ShardedParams(tuple(shards), layout),
-    namespace=optree.registry.__GLOBAL_NAMESPACE,  # type: ignore[attr-defined]  # fddp's trees
+    namespace=optree.registry.__GLOBAL_NAMESPACE,  # the namespace fddp flattens in
 )
 
 

@@ -84,7 +84,8 @@ class Plan:
         n, b, g = len(self.collectives), len(self.buckets), len(self.gathers)
         gathers = f", {g} parameter gather{'s' * (g != 1)}" if g else ""
         rows.append(
-            f"{n} collective{'s' * (n != 1)} ({b} bucketed all-reduce{'s' * (b != 1)}{gathers}) over "
+            f"{n} collective{'s' * (n != 1)} "
+            f"({b} bucketed all-reduce{'s' * (b != 1)}{gathers}) over "
             f"{self.compute_nodes} compute nodes; captured with {self.captured_with} in "
             f"{self.capture_seconds:.2f} s"
         )
