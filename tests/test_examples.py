@@ -4,6 +4,7 @@ chance)."""
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from pathlib import Path
@@ -39,6 +40,14 @@ RUNS = {
     "train_cnn": (
         "train_cnn.py",
         ["--steps", "40", "--width", "8", "--batch", "8", "--eval-every", "20"],
+        2,
+    ),
+    "train_fully_sharded": (
+        "train_fully_sharded.py",
+        [
+            *("--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "2"),
+            *("--steps", "2", "--vocab", "64"),
+        ],
         2,
     ),
     "torch_compile": ("torch_compile.py", ["--steps", "3", "--hidden", "16"], 1),
@@ -113,6 +122,23 @@ def test_train_cnn_two_ranks(examples) -> None:
     last = number(r"test loss: [\d.]+ -> ([\d.]+);", output)
     assert last < 0.5 * first  # 2.32 -> 0.76 with these settings
     assert number(r"final test accuracy ([\d.]+)%", output) >= 50  # 10 classes; it reaches 77.5
+
+
+def test_train_fully_sharded_two_ranks(examples) -> None:
+    output = run_example(examples, "train_fully_sharded")
+    assert "2 rank(s) x batch 2 x 16" in output
+    for rank in range(2):
+        count = number(rf"rank {rank}: (\d+) parameters; at rest", output.replace(",", ""))
+        assert count == 17376  # 1 layer of width 32 over 64 tokens, 16 positions
+        assert re.search(rf"rank {rank}: step 2: loss [\d.]+, [\d.]+ s, peak RSS", output)
+        assert f"rank {rank}: done: 17,376 parameters trained fully sharded on 2" in output
+    # 2 ranks: at rest 6 of replicated AdamW's 16 bytes per parameter (plus bucket padding)
+    at_rest = number(r"rank 0: [\d,]+ parameters; at rest ([\d.]+) MB", output)
+    replicated = number(r"replicated AdamW: ([\d.]+) MB", output)
+    assert at_rest < 0.5 * replicated
+    assert re.search(r"schedule \(rank 0\): [1-9]\d* parameter gathers", output)
+    first = number(r"rank 0: step 1: loss ([\d.]+)", output)
+    assert math.isclose(first, math.log(64), rel_tol=0.1)  # random tokens: 4.18 vs ln 64 = 4.16
 
 
 def test_torch_compile_one_rank(examples) -> None:
