@@ -101,7 +101,7 @@ def _world(group: dist.ProcessGroup | None) -> tuple[int, dist.ProcessGroup | No
     return dist.get_world_size(group), group
 
 
-def _entries(tree: Any, rank: int) -> list[tuple[str, Any, tuple[int, ...] | None]]:
+def _entries(tree: Any, rank: int = 0) -> list[tuple[str, Any, tuple[int, ...] | None]]:
     """``(key, leaf, piece)`` for every leaf; ``piece`` is ``(shard_length, offset, length,
     bucket_size)`` for a leaf that holds this rank's part of a bucket of a ``ShardedState``.
 
