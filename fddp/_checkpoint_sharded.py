@@ -48,7 +48,7 @@ from fddp._errors import RankFailureError
 from fddp._sharded_params import ShardedParams
 from fddp._tree import path_str
 from fddp._types import TensorTree
-from fddp._zero import ShardedState
+from fddp._zero import ShardedState, bucket_piece
 
 if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint pulls in
     # torch.distributed.nn, which `import fddp` must not (see tests/_exit_script.py)
@@ -86,14 +86,6 @@ def _is_sharded(x: Any) -> bool:
     return isinstance(x, (ShardedState, ShardedParams))
 
 
-def _param_pieces(params: ShardedParams, rank: int) -> list[tuple[int, ...]]:
-    """Each bucket's ``(shard_length, offset, length, bucket_size)`` on ``rank``."""
-    return [
-        (b.chunk, rank * b.chunk, max(0, min(b.chunk, b.size - rank * b.chunk)), b.size)
-        for b in params.layout.buckets
-    ]
-
-
 def _world(group: dist.ProcessGroup | None) -> tuple[int, dist.ProcessGroup | None]:
     if not (dist.is_available() and dist.is_initialized()):
         return 1, None
@@ -118,8 +110,8 @@ def _entries(tree: Any, rank: int = 0) -> list[tuple[str, Any, tuple[int, ...] |
             out.append((path_str(path), leaf, None))
             continue
         if isinstance(leaf, ShardedParams):
-            for index, (x, piece) in enumerate(zip(leaf.shards, _param_pieces(leaf, rank))):
-                out.append((path_str((*path, "shards", index)), x, piece))
+            for index, (x, bucket) in enumerate(zip(leaf.shards, leaf.layout.buckets)):
+                out.append((path_str((*path, "shards", index)), x, bucket_piece(bucket, rank)))
             continue
         pieces = [tuple(int(v) for v in row) for row in leaf.pieces.tolist()]
         inner_paths, inner_leaves, _ = optree.tree_flatten_with_path(leaf.inner)

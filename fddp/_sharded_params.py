@@ -31,16 +31,13 @@ from fddp import _axes, _gathered
 from fddp._annotations import LEAF_PATH, PARAM_GATHER, PARAM_GATHER_KEPT
 from fddp._axes import DEFAULT_AXIS
 from fddp._collectives import (
-    ProcessAxis,
     all_gather,
-    axis_index,
     axis_size,
-    named_axis,
     process_axis,
 )
 from fddp._errors import UsageValueError
 from fddp._tree import path_str, tensor_leaves
-from fddp._zero import Bucket, _flat_bucket, _layout, _own_chunk, _own_slice
+from fddp._zero import Bucket, _layout, own_shard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +177,7 @@ def _bound(axis_name: str, group: dist.ProcessGroup | None) -> contextlib.Abstra
 def _own_shards(leaves: list[torch.Tensor], layout: Layout, axis_name: str) -> list[torch.Tensor]:
     """Copies of this replica's elements only."""
     leaves = [x.detach() for x in leaves]
-    return [_own_shard_of_bucket(leaves, b, layout, axis_name).clone() for b in layout.buckets]
+    return [own_shard(leaves, b, layout.replicas, axis_name).clone() for b in layout.buckets]
 
 
 def _check_replicas(sharded: ShardedParams, axis_name: str) -> None:
@@ -258,18 +255,8 @@ def _resharded(tree: Any, layout: Layout, axis_name: str, where: str) -> Sharded
         if piece is not None and piece.layout is layout and piece.bucket == b:
             shards.append(piece.shard)
         else:
-            shards.append(_own_shard_of_bucket(leaves, bucket, layout, axis_name))
+            shards.append(own_shard(leaves, bucket, layout.replicas, axis_name))
     return ShardedParams(tuple(shards), layout)
-
-
-def _own_shard_of_bucket(
-    leaves: list[torch.Tensor], bucket: Bucket, layout: Layout, axis_name: str
-) -> torch.Tensor:
-    axis = named_axis(axis_name)
-    if isinstance(axis, ProcessAxis):
-        return _own_slice(leaves, bucket, axis.group_rank)
-    flat = _flat_bucket(leaves, bucket, layout.replicas)
-    return _own_chunk(flat, bucket, axis_index(axis_name))
 
 
 def _short(tree: Any) -> str:

@@ -135,14 +135,25 @@ def _own_slice(leaves: list[torch.Tensor], bucket: Bucket, rank: int) -> torch.T
     return F.pad(own, (0, bucket.chunk - own.numel())) if own.numel() < bucket.chunk else own
 
 
+def own_shard(
+    leaves: list[torch.Tensor], bucket: Bucket, replicas: int, axis_name: str
+) -> torch.Tensor:
+    """This replica's chunk of ``bucket`` of ``leaves`` on ``axis_name``."""
+    axis = named_axis(axis_name)
+    if isinstance(axis, ProcessAxis):  # the rank is a constant: copy only this shard
+        return _own_slice(leaves, bucket, axis.group_rank)
+    return _own_chunk(_flat_bucket(leaves, bucket, replicas), bucket, axis_index(axis_name))
+
+
+def bucket_piece(bucket: Bucket, rank: int) -> tuple[int, int, int, int]:
+    """``(shard_length, offset, length, bucket_size)``: replica ``rank``'s valid elements of
+    ``bucket`` are ``length`` elements at ``offset`` (the rest of its shard is padding)."""
+    offset = rank * bucket.chunk
+    return bucket.chunk, offset, max(0, min(bucket.chunk, bucket.size - offset)), bucket.size
+
+
 def _pieces(buckets: tuple[Bucket, ...], replicas: int, index: torch.Tensor) -> torch.Tensor:
-    rows = [
-        [
-            [b.chunk, r * b.chunk, max(0, min(b.chunk, b.size - r * b.chunk)), b.size]
-            for b in buckets
-        ]
-        for r in range(replicas)
-    ]
+    rows = [[list(bucket_piece(b, r)) for b in buckets] for r in range(replicas)]
     table = torch.tensor(rows, dtype=torch.int64, device=index.device)
     return table.index_select(0, index.reshape(1)).squeeze(0)
 
@@ -199,19 +210,14 @@ def shard_state(
         raise ValueError(f"shard_state: bucket_cap_mb must be positive; got {bucket_cap_mb}.")
     cap_bytes = None if bucket_cap_mb is None else max(1, int(bucket_cap_mb * 2**20))
 
-    def shards(leaves: list[torch.Tensor], buckets: tuple[Bucket, ...], n: int) -> list:
-        axis = named_axis(axis_name)
-        if isinstance(axis, ProcessAxis):  # the rank is a constant: copy only this shard
-            return [_own_slice(leaves, b, axis.group_rank) for b in buckets]
-        index = axis_index(axis_name)
-        return [_own_chunk(_flat_bucket(leaves, b, n), b, index) for b in buckets]
-
     def init(params: Params) -> ShardedState:
         leaves = optree.tree_leaves(params, none_is_leaf=False)
         n = axis_size(axis_name)
         buckets = _layout(leaves, n, cap_bytes)
         pieces = _pieces(buckets, n, axis_index(axis_name).to(_device(leaves)))
-        return ShardedState(inner.init(shards(leaves, buckets, n)), pieces)
+        return ShardedState(
+            inner.init([own_shard(leaves, b, n, axis_name) for b in buckets]), pieces
+        )
 
     takes = takes_shard_axes(inner)
 
@@ -237,32 +243,22 @@ def shard_state(
             param_leaves = optree.tree_leaves(params, none_is_leaf=False)
             gathered = [_gathered_bucket(param_leaves, b) for b in buckets]
             param_shards = [
-                shard if piece is None else piece.shard
-                for piece, shard in zip(gathered, _lazy_shards(param_leaves, buckets, n, gathered))
+                own_shard(param_leaves, b, n, axis_name) if found is None else found.shard
+                for b, found in zip(buckets, gathered)
             ]
         axes = (*shard_axes, axis_name)  # the shards of a shard: the norm sums over both
         new, inner_state = call_update(inner, takes, grads, state.inner, param_shards, axes)
         out: list[Any] = [None] * len(leaves)
-        for b, shard, piece in zip(buckets, cast("list[torch.Tensor]", new), gathered, strict=True):
+        for b, shard, found in zip(buckets, cast("list[torch.Tensor]", new), gathered, strict=True):
             full = all_gather(shard, axis_name, tiled=True)
             sizes = [leaves[i].numel() for i in b.leaves]
             parts = full[: b.size].split(sizes) if len(sizes) > 1 else [full[: b.size]]
             views = [part.view(leaves[i].shape) for i, part in zip(b.leaves, parts)]
             for i, view in zip(b.leaves, views):
                 out[i] = view
-            if piece is not None:  # fully sharded parameters: the update of their shard
-                _gathered.note(views, piece.layout, piece.bucket, "updates", shard)
+            if found is not None:  # fully sharded parameters: the update of their shard
+                _gathered.note(views, found.layout, found.bucket, "updates", shard)
         return optree.tree_unflatten(spec, out), ShardedState(inner_state, state.pieces)
-
-    def _lazy_shards(
-        leaves: list[torch.Tensor],
-        buckets: tuple[Bucket, ...],
-        n: int,
-        gathered: list[_gathered.Piece | None],
-    ) -> list[torch.Tensor | None]:
-        if all(piece is not None for piece in gathered):
-            return [None] * len(buckets)
-        return cast("list[torch.Tensor | None]", shards(leaves, buckets, n))
 
     def _reduce_scatter_mean(flat: torch.Tensor, n: int) -> torch.Tensor:
         # the division runs on the 1/N shard; a wire dtype narrower than the gradients' is
@@ -278,12 +274,13 @@ def shard_state(
 def _gathered_bucket(leaves: list[torch.Tensor], bucket: Bucket) -> _gathered.Piece | None:
     """The fully sharded parameters' bucket that ``bucket`` of ``leaves`` was gathered from,
     if it is one with this very layout (its shard is then the parameters' shard)."""
-    piece = _gathered.bucket_of([leaves[i] for i in bucket.leaves], "params")
-    if piece is None or getattr(piece.layout, "buckets", ())[piece.bucket : piece.bucket + 1] != (
-        bucket,
-    ):
+    found = _gathered.bucket_of([leaves[i] for i in bucket.leaves], "params")
+    if found is None:
         return None
-    return piece
+    layout_buckets = getattr(found.layout, "buckets", ())
+    if found.bucket >= len(layout_buckets) or layout_buckets[found.bucket] != bucket:
+        return None
+    return found
 
 
 def _device(leaves: list[torch.Tensor]) -> torch.device:

@@ -27,18 +27,6 @@ INSTANCE = "fddp_gather_instance"  # on every node of one gather: (bucket key, s
 SPANS = "fddp_gather_spans"  # on a gather's launch: how many gathers its bucket has
 
 
-class Gather(NamedTuple):
-    """One gather of one bucket: its launch, its wait and the uses it serves."""
-
-    key: str
-    span: int
-    spans: int
-    launch: fx.Node
-    wait: fx.Node
-    first_use: fx.Node
-    last_use: fx.Node
-
-
 def _tag(node: fx.Node, key: str) -> object:
     return node.meta.get("custom", {}).get(key)
 
@@ -152,12 +140,12 @@ def _movable(chain: list[fx.Node]) -> bool:
     return all(p in inside or p.op == "placeholder" for n in chain for p in n.all_input_nodes)
 
 
-def place(graph: fx.Graph, prefetch: int = PREFETCH) -> list[Gather]:
+def place(graph: fx.Graph, prefetch: int = PREFETCH) -> None:
     """Gather each bucket once per span of its uses, prefetched ``prefetch`` gathers ahead."""
     buckets = [_Bucket(k, m) for k, m in _groups(graph).items()]
     buckets = [b for b in buckets if b.uses]
     if not buckets:
-        return []
+        return
     spans = _spans(buckets)
     for bucket in buckets:
         for node in bucket.members:
@@ -174,12 +162,12 @@ def place(graph: fx.Graph, prefetch: int = PREFETCH) -> list[Gather]:
     )
     heads = [n for n in graph.nodes if n.op == "placeholder"]
     start = heads[-1] if heads else None
-    gathers = []
     for j, (first_use, key, index) in enumerate(order):
         nodes = instances[(key, index)]
         launch = next(n for n in nodes if is_collective(n))
         chain = _launch_chain(nodes, launch)
-        rest = [n for n in nodes if n not in set(chain)]
+        in_chain = set(chain)
+        rest = [n for n in nodes if n not in in_chain]
         for node in rest:
             first_use.prepend(node)
         if _movable(chain):
@@ -194,13 +182,9 @@ def place(graph: fx.Graph, prefetch: int = PREFETCH) -> list[Gather]:
                     start = node
                 else:
                     graph.find_nodes(op="output")[0].prepend(node)
-        wait = next(u for u in launch.users if is_wait(u))
         launch.meta[SPANS] = len(spans[key])
-        span = spans[key][index]
-        gathers.append(Gather(key, index, len(spans[key]), launch, wait, first_use, span[-1]))
     _sink_views(graph)
     graph.eliminate_dead_code()
-    return gathers
 
 
 def _sink_views(graph: fx.Graph) -> None:
@@ -226,19 +210,23 @@ class Described(NamedTuple):
     last_use: fx.Node
 
 
-def describe(launch: fx.Node) -> Described | None:
-    """For the plan: which gather ``launch`` is and the last use of what it gathered."""
-    instance = launch.meta.get(INSTANCE)
-    if instance is None:
-        return None
-    key, index = instance
-    spans = launch.meta.get(SPANS, 1)
-    members = {n for n in launch.graph.nodes if n.meta.get(INSTANCE) == instance}
-    family = members | set(_views_of(members))
-    uses = [u for n in family for u in n.users if u not in family]
-    leaves = _tag(launch, LEAF_PATH)
-    return Described(
-        f"params {key}, {index + 1} of {spans}",
-        tuple(leaves) if isinstance(leaves, tuple) else (),
-        max(uses) if uses else launch,
-    )
+def describe(graph: fx.Graph) -> dict[fx.Node, Described]:
+    """For the plan, by launch: which gather it is and the last use of what it gathered."""
+    instances: dict[tuple[str, int], set[fx.Node]] = collections.defaultdict(set)
+    for node in graph.nodes:
+        if INSTANCE in node.meta:
+            instances[node.meta[INSTANCE]].add(node)
+    out = {}
+    for (key, index), members in instances.items():
+        launch = next((n for n in members if is_collective(n)), None)
+        if launch is None:
+            continue
+        family = members | set(_views_of(members))
+        uses = [u for n in family for u in n.users if u not in family]
+        leaves = _tag(launch, LEAF_PATH)
+        out[launch] = Described(
+            f"params {key}, {index + 1} of {launch.meta.get(SPANS, 1)}",
+            tuple(leaves) if isinstance(leaves, tuple) else (),
+            max(uses) if uses else launch,
+        )
+    return out

@@ -108,6 +108,7 @@ def describe(
     for node in graph.nodes:
         compute_before[node] = count
         count += is_compute(node)
+    gathers = _param_gathers.describe(graph)
     plans = []
     for node in graph.nodes:
         if not is_collective(node):
@@ -115,7 +116,7 @@ def describe(
         wait = next(iter(node.users))
         bucket = by_launch.get(node)
         source = node.args[0]
-        gathered = _param_gathers.describe(node)
+        gathered = gathers.get(node)
         leaves = tuple(m.path for m in bucket.members) if bucket else (source.name,)
         plans.append(
             CollectivePlan(
