@@ -30,6 +30,7 @@ import torch.fx.traceback as fx_traceback
 from torch import fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fddp import _runtime
@@ -113,7 +114,8 @@ def warn_on_printed_fakes() -> Iterator[None]:
 
 
 def _tidy(gm: fx.GraphModule) -> fx.GraphModule:
-    """Double waits and dead nodes removed; the code is generated once, after the passes."""
+    """Double waits and dead nodes removed. make_fx builds a lazy graph module: fx writes and
+    compiles its code only if it is called, and the code is generated once, after the passes."""
     remove_double_waits(gm.graph)
     gm.graph.eliminate_dead_code()
     return gm
@@ -147,7 +149,7 @@ def trace_with_make_fx(
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = [fake_mode.from_tensor(x) for x, t in zip(leaves, is_tensor) if t]
     backward = _backward_mode.eager_backward() if fused_backward else contextlib.nullcontext()
-    with fake_mode, fx_traceback.preserve_node_meta(), backward:
+    with fake_mode, fx_traceback.preserve_node_meta(), backward, _use_lazy_graph_module(True):
         gm = make_fx(flat_step)(*fakes)
     mapping, k = [], 0
     for leaf in outputs["leaves"]:
@@ -169,7 +171,7 @@ def lower_to_aten(
     assert fake_mode is not None  # Dynamo hands its backend fake example inputs
     fakes = [fake_mode.from_tensor(t) for t in example_inputs]
     interpreter = _backward_mode.Interpreter if fused_backward else fx.Interpreter
-    with fake_mode, fx_traceback.preserve_node_meta():
+    with fake_mode, fx_traceback.preserve_node_meta(), _use_lazy_graph_module(True):
         aten = make_fx(lambda *args: interpreter(gm).run(*args))(*fakes)
     return _tidy(aten)
 

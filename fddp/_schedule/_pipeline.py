@@ -88,7 +88,8 @@ def schedule_graph(
         donated_nodes = {n for n, d in zip(placeholders, is_donated) if d}
         _reinplace.reinplace(graph, donated_nodes, donated_writable_after=gate)
     graph.lint()
-    code = gm.recompile()
+    gm.recompile()  # the captured module is lazy (see _capture): this only marks it stale
+    code = graph.python_code(root_module="self")
     plan = _plan.describe(graph, bucket_nodes, captured.seconds, captured.method)
     plan = dataclasses.replace(plan, bucket_cap=str(cap) if members else "")
     runner, generated = _backend.build(gm, options.backend, code)
