@@ -265,7 +265,7 @@ def _train(
         sent = {n.args[0] for n in graph.nodes if n.target is ALL_TO_ALL}
         assert not any(x.target in (aten.cat.default, aten.constant_pad_nd.default) for x in sent)
         outs = [n.kwargs["out"] for n in graph.nodes if n.target is aten.mm.out]
-        assert all(out.args[0].args[0] in sent for out in outs)  # view(slice(bucket))
+        assert all(out.args[0] in sent for out in outs)  # as_strided(bucket)
         # ZeRO-2's memory bound: at most two reduce-scatters or all-gathers in flight
         in_flight, most = set(), 0
         for node in graph.nodes:

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, TypeVar, cast
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
+from torch._prims_common import make_contiguous_strides_for
 
 from fddp._annotations import BUCKET, BUCKET_LEAVES, LEAF_PATH
 from fddp._schedule._graph import (
@@ -34,6 +35,7 @@ from fddp._schedule._graph import (
     nbytes,
     positions,
     ready_node,
+    returned_argument,
     value,
 )
 
@@ -237,10 +239,9 @@ def _direct_write(source: fx.Node, divisor: float | None, wire: torch.dtype) -> 
 
 
 def _slot(add: Callable[..., fx.Node], flat: fx.Node, offset: int, shape: torch.Size) -> fx.Node:
-    """The view of ``flat`` at ``offset`` that holds a tensor of ``shape``."""
-    size = shape.numel()
+    """The view of ``flat`` at ``offset`` that holds a contiguous tensor of ``shape``."""
     return add(
-        aten.view.default, add(aten.slice.Tensor, flat, 0, offset, offset + size), list(shape)
+        aten.as_strided.default, flat, list(shape), list(make_contiguous_strides_for(shape)), offset
     )
 
 
@@ -413,11 +414,16 @@ class _Chain:
         return node
 
     def fill_meta(self) -> None:
-        """Record the fake value of each new node, as make_fx would have."""
+        """Record the fake value of each new node, as make_fx would have (an in-place or
+        ``out=`` op's value is the tensor it writes: nothing to run)."""
         inputs = [a.meta.get("val") for n in self.nodes for a in n.all_input_nodes]
         fake_mode = detect_fake_mode([self.anchor.meta.get("val"), *inputs])
         assert fake_mode is not None  # the captured graph's values are fake tensors
         with fake_mode:
             for node in self.nodes:
+                written = returned_argument(node)
+                if written is not None:
+                    node.meta["val"] = written.meta["val"]
+                    continue
                 args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
                 node.meta["val"] = cast(Callable[..., Any], node.target)(*args, **kwargs)

@@ -28,6 +28,7 @@ _BOOKKEEPING = {
     "detach",
     "split_with_sizes",
     "slice",
+    "as_strided",
     "empty",
 }
 
@@ -105,6 +106,31 @@ def _written_arguments(op: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]
         for i, arg in enumerate(op._schema.arguments)
         if arg.alias_info is not None and arg.alias_info.is_write
     )
+
+
+def returned_argument(node: fx.Node) -> fx.Node | None:
+    """The argument node an in-place or ``out=`` op returns as its one result, if it is one."""
+    op = _overload(node)
+    if op is None:
+        return None
+    found = _returned_argument(op)
+    if found is None:
+        return None
+    i, name = found
+    given = node.args[i] if i < len(node.args) else node.kwargs.get(name)
+    return given if isinstance(given, fx.Node) else None
+
+
+@functools.cache
+def _returned_argument(op: torch._ops.OpOverload) -> tuple[int, str] | None:
+    returns = op._schema.returns
+    if len(returns) != 1 or returns[0].alias_info is None or not returns[0].alias_info.is_write:
+        return None
+    alias_set = returns[0].alias_info.before_set
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.before_set == alias_set:
+            return i, arg.name
+    return None
 
 
 def _flat_nodes(value: object) -> Iterable[fx.Node]:
