@@ -14,7 +14,6 @@ import operator
 
 import torch
 from torch import fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from fddp._schedule._graph import is_collective, is_wait
 
@@ -64,8 +63,11 @@ def _tensors(val: object) -> list[torch.Tensor]:
     return []
 
 
-def _storage(t: torch.Tensor) -> StorageWeakRef:
-    return StorageWeakRef(t.untyped_storage())
+Storage = int  # a storage's address: the graph's values (node.meta) keep every storage alive
+
+
+def _storage(t: torch.Tensor) -> Storage:
+    return t.untyped_storage()._cdata
 
 
 class _Storages:
@@ -73,8 +75,8 @@ class _Storages:
 
     def __init__(self, graph: fx.Graph) -> None:
         self.pos = {n: i for i, n in enumerate(graph.nodes)}
-        self.last_read: dict[StorageWeakRef, int] = {}
-        self.of_node: dict[fx.Node, list[StorageWeakRef]] = {}
+        self.last_read: dict[Storage, int] = {}
+        self.of_node: dict[fx.Node, list[Storage]] = {}
         for node in graph.nodes:
             keys = [_storage(t) for t in _tensors(node.meta.get("val"))]
             self.of_node[node] = keys
@@ -97,9 +99,9 @@ class _Storages:
             self.last_read[key] = max(self.last_read[key], last)
 
 
-def _protected(graph: fx.Graph, donated: set[fx.Node]) -> set[StorageWeakRef]:
+def _protected(graph: fx.Graph, donated: set[fx.Node]) -> set[Storage]:
     """Storages that must keep their contents: inputs not donated, constants, outputs, comms."""
-    keep: set[StorageWeakRef] = set()
+    keep: set[Storage] = set()
     for node in graph.nodes:
         vals = _tensors(node.meta.get("val"))
         if (node.op in ("placeholder", "get_attr") and node not in donated) or is_collective(node):
@@ -134,7 +136,7 @@ def _dense(t: torch.Tensor) -> bool:
 def _disjoint(tensors: list[torch.Tensor]) -> bool:
     """Each tensor is dense without self-overlap, and no two share memory (disjoint slices of
     one storage are fine)."""
-    spans: dict[StorageWeakRef, list[tuple[int | torch.SymInt, int | torch.SymInt]]] = {}
+    spans: dict[Storage, list[tuple[int | torch.SymInt, int | torch.SymInt]]] = {}
     for t in tensors:
         if not _dense(t):
             return False
