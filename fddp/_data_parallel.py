@@ -161,8 +161,7 @@ class DataParallelStep:
     def _before_run(self, compiled: Compiled, args: tuple, tensors: list[torch.Tensor]) -> None:
         """The replication checks due before this call runs."""
         if compiled.varying_tensors is None:
-            self._replicas.check_digests(args, eager=False)
-            compiled.varying_tensors = self._replicas.varying_tensors(args, tensors)
+            compiled.varying_tensors = self._replicas.first_run(args, tensors)
         self._replicas.refuse_fed_back(args)
 
     def _origins(self, compiled: Compiled, args: tuple) -> dict[int, tuple[str, str]]:

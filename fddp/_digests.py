@@ -109,15 +109,18 @@ def _describe(leaf: Any, digest: torch.Tensor | None) -> str:
     return text if digest is None else text + f" with digest {int(digest[0]) & (2**64 - 1):016x}"
 
 
-def check_identical(tree: Any, group: dist.ProcessGroup | None, what: str) -> None:
+def check_identical(
+    tree: Any, group: dist.ProcessGroup | None, what: str, known: torch.Tensor | None = None
+) -> None:
     """Raise :class:`ReplicaMismatchError` on every rank if ``tree`` differs between ranks.
 
     Compares the structure, each leaf's shape and dtype, and a digest of each tensor's bits
-    (one small all-reduce when all agree), naming the first leaf that differs.
+    (one small all-reduce when all agree), naming the first leaf that differs. ``known``: the
+    :func:`digests` of ``tree``'s tensor leaves, where the caller has them.
     """
     paths, leaves, spec = leaves_with_paths(tree)
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    by_leaf = iter(digests(tensors))
+    by_leaf = iter(digests(tensors) if known is None else known)
     lines = []
     for path, leaf in zip(paths, leaves):
         digest = next(by_leaf) if isinstance(leaf, torch.Tensor) else None
@@ -132,9 +135,12 @@ def check_identical(tree: Any, group: dist.ProcessGroup | None, what: str) -> No
         )
 
 
-def varying(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> list[bool]:
-    """For each tensor (of the same shapes on every rank), whether its bits differ between ranks."""
-    local = digests(tensors)
+def varying(
+    tensors: list[torch.Tensor], group: dist.ProcessGroup | None, local: torch.Tensor | None = None
+) -> list[bool]:
+    """For each tensor (of the same shapes on every rank), whether its bits differ between ranks
+    (``local``: their :func:`digests`, where the caller has them)."""
+    local = digests(tensors) if local is None else local
     everyone = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, local, group=group)
     stacked = torch.stack(everyone)

@@ -64,16 +64,17 @@ class ReplicaGuard:
     def _several_ranks(self) -> bool:
         return bool(self._argnums) and _runtime.world_size(self._group) > 1
 
-    def check_digests(self, args: tuple, *, eager: bool) -> None:
+    def check_digests(self, args: tuple, *, eager: bool, known: torch.Tensor | None = None) -> None:
         """The replicated arguments must agree bitwise before the first call and, for eager
         steps that the replication analysis cannot see, before the second (which catches a
-        first call that made them differ, e.g. a forgotten pmean)."""
+        first call that made them differ, e.g. a forgotten pmean). ``known``: the digests of
+        all of ``args``' tensor leaves, where the caller has them."""
         if self._digest_checks_left == 0 or not (eager or self._digest_checks_left == 2):
             return
         self._digest_checks_left -= 1
-        self.compare_digests(args)
+        self.compare_digests(args, known)
 
-    def compare_digests(self, args: tuple) -> None:
+    def compare_digests(self, args: tuple, known: torch.Tensor | None = None) -> None:
         """Raise :class:`ReplicaMismatchError` on every rank if the replicated arguments differ
         (their trees, shapes, dtypes or bits); collective."""
         if not self._several_ranks():
@@ -81,14 +82,29 @@ class ReplicaGuard:
         what = f"arguments {list(self._argnums)} of {self._name}"
         if self._digest_checks_left == 0:
             what += " after the first call (does the step average its gradients with fddp.pmean?)"
-        _digests.check_identical([args[n] for n in self._checked(args)], self._group, what)
+        checked = self._checked(args)
+        if known is not None:
+            known = known[[i for n in checked for i in tensor_indices_of_arg(args, n)]]
+        _digests.check_identical([args[n] for n in checked], self._group, what, known)
 
-    def varying_tensors(self, args: tuple, tensors: list[torch.Tensor]) -> list[bool]:
+    def first_run(self, args: tuple, tensors: list[torch.Tensor]) -> list[bool]:
+        """Before a traced signature's first run: the replicated arguments agree
+        (:meth:`check_digests`), and which tensor arguments differ between ranks
+        (:meth:`varying_tensors`); each tensor is hashed once for both."""
+        several = _runtime.world_size(self._group) > 1
+        known = _digests.digests(tensors) if several else None
+        self.check_digests(args, eager=False, known=known)
+        return self.varying_tensors(args, tensors, known)
+
+    def varying_tensors(
+        self, args: tuple, tensors: list[torch.Tensor], known: torch.Tensor | None = None
+    ) -> list[bool]:
         """First call of a signature: which tensor arguments differ between ranks (one small
-        all-gather of digests); the replicated arguments must not."""
+        all-gather of digests); the replicated arguments must not. ``known``: the tensors'
+        digests, where the caller has them."""
         if _runtime.world_size(self._group) == 1:
             return [False] * len(tensors)
-        varying = _digests.varying(tensors, self._group)
+        varying = _digests.varying(tensors, self._group, known)
         paths = tensor_paths(args)
         for n in self._checked(args):
             for i in tensor_indices_of_arg(args, n):
