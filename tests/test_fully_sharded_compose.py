@@ -1,0 +1,131 @@
+"""Fully sharded parameters composed with the rest of fddp: each option changes nothing but
+where the parameters live, so every run equals the replicated step (``shard_state``) with the
+same option on the same global batch.
+
+Covered here: ``overlap_steps=True``, ``compile=True`` (Inductor), ``fddp.nn.mixed_precision``,
+``apply_if_finite`` (a step with a non-finite gradient is skipped on every rank) and
+``donate_argnums``. One spawn of 2 gloo ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import optree
+import pytest
+import torch
+import torch.nn.functional as F
+from _compare import assert_trees_close
+from _dist import run_checks
+from _models import mlp, next_token_loss, regression_batch, tiny_decoder, token_batch
+
+import fddp
+import fddp.optim as optim
+
+STEPS = 8
+TINY = 200 / 2**20  # 200-byte buckets: several per model, uneven over 2 ranks
+
+
+def _mlp(precision=None):
+    model = mlp((6, 9, 9, 5))
+    apply = fddp.functional(model)
+
+    def loss_fn(p, x, y):
+        return F.mse_loss(apply(p, {}, x), y)
+
+    if precision is not None:
+        loss_fn = fddp.nn.mixed_precision(loss_fn, precision)
+    return model, loss_fn, lambda i: _halves(regression_batch(i, 8, 6, 5))
+
+
+def _gpt(precision=None):
+    model = tiny_decoder(layers=2)  # tied weights: the output layer is the token embedding
+    apply = fddp.functional(model)
+
+    def loss_fn(p, ids, _):
+        return next_token_loss(apply(p, {}, ids), ids)
+
+    if precision is not None:
+        loss_fn = fddp.nn.mixed_precision(loss_fn, precision)
+    return model, loss_fn, lambda i: (_half(token_batch(i, 8)), None)
+
+
+def _half(x):
+    r = torch.distributed.get_rank()
+    return x.chunk(2)[r]
+
+
+def _halves(batch):
+    return _half(batch["x"]), _half(batch["y"])
+
+
+def _nan_at(i, batch):
+    """Step 3's batch holds a NaN on rank 1 only: apply_if_finite must skip it everywhere."""
+    x, y = batch
+    if i == 3 and torch.distributed.get_rank() == 1 and x.is_floating_point():
+        x = x.clone()
+        x.view(-1)[0] = math.nan
+    return x, y
+
+
+def _train(model_name, full, *, precision=None, guard=False, steps=STEPS, **options):
+    model, loss_fn, data = (_mlp if model_name == "mlp" else _gpt)(precision)
+    params, _ = fddp.state(model)
+    inner = optim.adamw(1e-2, weight_decay=0.1)
+    if guard:
+        inner = optim.apply_if_finite(inner, max_consecutive_errors=5)
+    opt = optim.shard_state(inner, bucket_cap_mb=TINY)
+
+    @functools.partial(fddp.data_parallel, **options)
+    def step(p, s, x, y):
+        loss, g = fddp.value_and_grad(loss_fn)(p, x, y)
+        u, s = opt.update(g, s, p)
+        return optim.apply_updates(p, u), s, fddp.pmean(loss)
+
+    state = fddp.data_parallel(opt.init, trace=False)(params)
+    if full:
+        params = fddp.shard_params(params, bucket_cap_mb=TINY)
+    losses = []
+    for i in range(steps):
+        batch = data(i)
+        if guard:
+            batch = _nan_at(i, batch)
+        params, state, loss = step(params, state, *batch)
+        losses.append(loss)
+    plan = step.schedule(params, state, *batch)
+    if full:  # the gathers are in the schedule, and so is the deferred tail
+        assert any(c.gather for c in plan.collectives), plan
+        assert bool(plan.across_steps) == options.get("overlap_steps", False), plan
+    params = fddp.full_params(params) if full else params
+    return optree.tree_map(torch.Tensor.clone, params), torch.stack(losses)
+
+
+CASES = {
+    "overlap_steps mlp": ("mlp", {"overlap_steps": True}),
+    "overlap_steps gpt": ("gpt", {"overlap_steps": True}),
+    "compile mlp": ("mlp", {"compile": True}),
+    "mixed_precision mlp": ("mlp", {"precision": torch.bfloat16}),
+    "mixed_precision gpt": ("gpt", {"precision": torch.bfloat16}),
+    "apply_if_finite mlp": ("mlp", {"guard": True}),
+    "donated gpt": ("gpt", {"donate_argnums": (0, 1)}),
+}
+
+
+def _check(case: str):
+    model, options = CASES[case]
+    return _train(model, False, **options), _train(model, True, **options)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_checks({c: functools.partial(_check, c) for c in CASES}, 2, timeout=420)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fully_sharded_composes(runs, case):
+    for (want, want_losses), (got, got_losses) in runs[case]:
+        assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
+        nan_safe = functools.partial(torch.nan_to_num, nan=-1.0)  # step 3's loss in the guard case
+        assert_trees_close(nan_safe(got_losses), nan_safe(want_losses), rtol=1e-6, atol=1e-6)
+        assert torch.isfinite(got_losses).sum() >= (STEPS - 1 if "finite" in case else STEPS)
