@@ -207,7 +207,9 @@ def full_params(
         return _unpacked(sharded, axis_name, annotate=None)
 
 
-def _unpacked(sharded: ShardedParams, axis_name: str, annotate: str | None) -> Any:
+def _unpacked(
+    sharded: ShardedParams, axis_name: str, annotate: str | None, skeleton: Any = None
+) -> Any:
     layout = sharded.layout
     leaves: list[Any] = [None] * len(layout.shapes)
     for b, (bucket, shard) in enumerate(zip(layout.buckets, sharded.shards, strict=True)):
@@ -229,16 +231,26 @@ def _unpacked(sharded: ShardedParams, axis_name: str, annotate: str | None) -> A
             leaves[i] = view
         if annotate is not None:
             _gathered.note(views, layout, b, "params", shard)
-    return optree.tree_unflatten(layout.tree, leaves)
+    if skeleton is None:
+        return optree.tree_unflatten(layout.tree, leaves)
+    return optree.tree_map(lambda i: leaves[i], skeleton)
+
+
+def _skeleton(layout: Layout) -> Any:
+    """The parameter tree with each leaf's index in its place, made before a trace: Dynamo
+    traces a ``tree_map`` over it, but cannot unflatten a tree spec made outside its trace."""
+    return optree.tree_unflatten(layout.tree, list(range(len(layout.shapes))))
 
 
 def _bucket_paths(layout: Layout, bucket: Bucket) -> tuple[str, ...]:
     return tuple(layout.paths[i] for i in bucket.leaves)
 
 
-def _resharded(tree: Any, layout: Layout, axis_name: str, where: str) -> ShardedParams:
+def _resharded(
+    tree: Any, layout: Layout, skeleton: Any, axis_name: str, where: str
+) -> ShardedParams:
     leaves, spec = optree.tree_flatten(tree)
-    if spec != layout.tree or any(
+    if spec != optree.tree_structure(skeleton) or any(
         not isinstance(x, torch.Tensor) or tuple(x.shape) != s or x.dtype != d
         for x, s, d in zip(leaves, layout.shapes, layout.dtypes)
     ):
@@ -277,6 +289,7 @@ def gathering(step_fn: Callable[..., Any], args: tuple, axis_name: str, where: s
     if not positions:
         return step_fn
     layouts = {n: args[n].layout for n in positions}
+    skeletons = {n: _skeleton(layout) for n, layout in layouts.items()}
     for n in positions:  # before tracing: every rank raises it alike
         _check_replicas(args[n], axis_name)
 
@@ -284,7 +297,7 @@ def gathering(step_fn: Callable[..., Any], args: tuple, axis_name: str, where: s
         with _gathered.recording():
             full = list(call_args)
             for n in positions:
-                full[n] = _unpacked(call_args[n], axis_name, annotate=str(n))
+                full[n] = _unpacked(call_args[n], axis_name, str(n), skeletons[n])
             out = step_fn(*full)
             single = not isinstance(out, tuple)
             outs = [out] if single else list(out)
@@ -295,7 +308,7 @@ def gathering(step_fn: Callable[..., Any], args: tuple, axis_name: str, where: s
                         f"return the new parameters at position {n}; it returned "
                         f"{len(outs)} value{'s' * (len(outs) != 1)}."
                     )
-                outs[n] = _resharded(outs[n], layouts[n], axis_name, where)
+                outs[n] = _resharded(outs[n], layouts[n], skeletons[n], axis_name, where)
             if single:
                 return outs[0]
             return tuple(outs) if type(out) is tuple else type(out)(*outs)

@@ -140,7 +140,10 @@ def own_shard(
 ) -> torch.Tensor:
     """This replica's chunk of ``bucket`` of ``leaves`` on ``axis_name``."""
     axis = named_axis(axis_name)
-    if isinstance(axis, ProcessAxis):  # the rank is a constant: copy only this shard
+    # The rank is a constant: copy only this shard. Not under Dynamo, where a fully sharded
+    # step takes this general path (see _gathered): slicing by rank would give every rank a
+    # different graph, and the compiler could then schedule the parameter gathers differently.
+    if isinstance(axis, ProcessAxis) and not torch.compiler.is_compiling():
         return _own_slice(leaves, bucket, axis.group_rank)
     return _own_chunk(_flat_bucket(leaves, bucket, replicas), bucket, axis_index(axis_name))
 

@@ -3,8 +3,8 @@ where the parameters live, so every run equals the replicated step (``shard_stat
 same option on the same global batch.
 
 Covered here: ``overlap_steps=True``, ``compile=True`` (Inductor), ``fddp.nn.mixed_precision``,
-``apply_if_finite`` (a step with a non-finite gradient is skipped on every rank) and
-``donate_argnums``. One spawn of 2 gloo ranks.
+``apply_if_finite`` (a step with a non-finite gradient is skipped on every rank),
+``donate_argnums`` and a step that only Dynamo can capture. One spawn of 2 gloo ranks.
 """
 
 from __future__ import annotations
@@ -27,11 +27,20 @@ STEPS = 8
 TINY = 200 / 2**20  # 200-byte buckets: several per model, uneven over 2 ranks
 
 
-def _mlp(precision=None):
+def _only_dynamo_can_trace(x):
+    """A branch on a tensor's value outside Dynamo (as Hugging Face's mask code has): make_fx
+    stops there, so data_parallel captures the step with Dynamo."""
+    if not torch.compiler.is_compiling() and bool(x.sum() > 1e9):
+        raise AssertionError("unreachable")
+
+
+def _mlp(precision=None, dynamo=False):
     model = mlp((6, 9, 9, 5))
     apply = fddp.functional(model)
 
     def loss_fn(p, x, y):
+        if dynamo:
+            _only_dynamo_can_trace(x)
         return F.mse_loss(apply(p, {}, x), y)
 
     if precision is not None:
@@ -70,7 +79,10 @@ def _nan_at(i, batch):
 
 
 def _train(model_name, full, *, precision=None, guard=False, steps=STEPS, **options):
-    model, loss_fn, data = (_mlp if model_name == "mlp" else _gpt)(precision)
+    if model_name == "gpt":
+        model, loss_fn, data = _gpt(precision)
+    else:
+        model, loss_fn, data = _mlp(precision, dynamo=model_name == "dynamo mlp")
     params, _ = fddp.state(model)
     inner = optim.adamw(1e-2, weight_decay=0.1)
     if guard:
@@ -97,6 +109,7 @@ def _train(model_name, full, *, precision=None, guard=False, steps=STEPS, **opti
     if full:  # the gathers are in the schedule, and so is the deferred tail
         assert any(c.gather for c in plan.collectives), plan
         assert bool(plan.across_steps) == options.get("overlap_steps", False), plan
+        assert plan.captured_with.startswith("dynamo") == (model_name == "dynamo mlp"), plan
     params = fddp.full_params(params) if full else params
     return optree.tree_map(torch.Tensor.clone, params), torch.stack(losses)
 
@@ -109,6 +122,7 @@ CASES = {
     "mixed_precision gpt": ("gpt", {"precision": torch.bfloat16}),
     "apply_if_finite mlp": ("mlp", {"guard": True}),
     "donated gpt": ("gpt", {"donate_argnums": (0, 1)}),
+    "dynamo capture mlp": ("dynamo mlp", {}),
 }
 
 
