@@ -207,6 +207,10 @@ def full_params(
         return _unpacked(sharded, axis_name, annotate=None)
 
 
+# The functions that take sharded parameters themselves: fddp.vmap does not gather for them.
+TAKES_SHARDS = frozenset({full_params})
+
+
 def _unpacked(
     sharded: ShardedParams, axis_name: str, annotate: str | None, skeleton: Any = None
 ) -> Any:

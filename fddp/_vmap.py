@@ -12,6 +12,7 @@ import torch
 
 from fddp import _axes
 from fddp._axes import DEFAULT_AXIS
+from fddp._sharded_params import TAKES_SHARDS, gathering
 from fddp._tree import path_str
 
 # How a collective finds "its" vmap level: every collective passes the axis's replica index as
@@ -344,7 +345,7 @@ def _vmap_call(
             for spec, n in zip(specs, counts)
         ]
         with _axes.bind(VmapAxis(axis_name, replicas, replica_index)):
-            out = fn(*inner_args, **kwargs)
+            out = _gathered_call(fn, axis_name, inner_args, kwargs)
         out_leaves, spec = optree.tree_flatten(out)
         if not uniform:
             flat_out_dims[:] = _prefix_dims(out_dims, out, "out_dims")
@@ -360,6 +361,19 @@ def _vmap_call(
         randomness=randomness,
     )(torch.arange(replicas, device=device), leaves)
     return optree.tree_unflatten(out_spec[0], flat_out)
+
+
+def _gathered_call(
+    fn: Callable[..., Any], axis_name: str, args: list[Any], kwargs: dict[str, Any]
+) -> Any:
+    """``fn(*args, **kwargs)``, with each ``fddp.ShardedParams`` argument gathered for it and
+    the output in its position cut back into shards, as ``data_parallel`` runs a step (but for
+    the functions that take the shards themselves, such as ``fddp.full_params``)."""
+    step = functools.partial(fn, **kwargs) if kwargs else fn
+    if fn in TAKES_SHARDS:
+        return step(*args)
+    where = f"fddp.vmap({getattr(fn, '__name__', 'fn')})"
+    return gathering(step, tuple(args), axis_name, where)(*args)
 
 
 def vmap(

@@ -4,7 +4,8 @@ same option on the same global batch.
 
 Covered here: ``overlap_steps=True``, ``compile=True`` (Inductor), ``fddp.nn.mixed_precision``,
 ``apply_if_finite`` (a step with a non-finite gradient is skipped on every rank),
-``donate_argnums`` and a step that only Dynamo can capture. One spawn of 2 gloo ranks.
+``donate_argnums`` and a step that only Dynamo can capture, on 2 gloo ranks in one spawn; and
+simulated replicas (``fddp.vmap``) in this process.
 """
 
 from __future__ import annotations
@@ -143,3 +144,34 @@ def test_fully_sharded_composes(runs, case):
         nan_safe = functools.partial(torch.nan_to_num, nan=-1.0)  # step 3's loss in the guard case
         assert_trees_close(nan_safe(got_losses), nan_safe(want_losses), rtol=1e-6, atol=1e-6)
         assert torch.isfinite(got_losses).sum() >= (STEPS - 1 if "finite" in case else STEPS)
+
+
+def _simulated(full: bool, lr: float = 1e-2, replicas: int = 3):
+    model, loss_fn, _ = _mlp()
+    params, _ = fddp.state(model)
+    opt = optim.shard_state(optim.adamw(lr, weight_decay=0.1), bucket_cap_mb=TINY)
+
+    def step(p, s, x, y):
+        loss, g = fddp.value_and_grad(loss_fn)(p, x, y)
+        u, s = opt.update(g, s, p)
+        return optim.apply_updates(p, u), s, fddp.pmean(loss)
+
+    p = optree.tree_map(lambda x: x.expand(replicas, *x.shape).clone(), params)
+    s = fddp.vmap(opt.init)(p)
+    if full:
+        p = fddp.vmap(functools.partial(fddp.shard_params, bucket_cap_mb=TINY))(p)
+        total, kept = sum(x.numel() for x in params.values()), sum(x.shape[1] for x in p.shards)
+        assert total <= kept * replicas < total + replicas * len(p.shards)  # 1/N each, + padding
+    for i in range(STEPS):
+        batch = regression_batch(i, 4 * replicas, 6, 5)
+        x, y = batch["x"].view(replicas, 4, 6), batch["y"].view(replicas, 4, 5)
+        p, s, loss = fddp.vmap(step)(p, s, x, y)
+    return (fddp.vmap(fddp.full_params)(p) if full else p), loss
+
+
+def test_simulated_replicas_fully_sharded_equal_the_replicated_step():
+    """fddp.vmap: three simulated replicas, each holding its shards, train as three with full
+    parameters (and as real ranks would: fddp.vmap's collectives are the ranks')."""
+    (want, want_loss), (got, got_loss) = _simulated(False), _simulated(True)
+    assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
+    assert_trees_close(got_loss, want_loss, rtol=1e-6, atol=1e-6)
