@@ -43,13 +43,13 @@ _bound: list[Axis] = []
 
 
 @contextlib.contextmanager
-def bind(axis: Axis) -> Iterator[None]:
-    """Make ``axis`` the meaning of ``axis.name`` inside the block (innermost binding wins)."""
-    _bound.append(axis)
+def bind(*axes: Axis) -> Iterator[None]:
+    """Make each axis the meaning of its name inside the block (innermost binding wins)."""
+    _bound.extend(axes)
     try:
         yield
     finally:
-        _bound.pop()
+        del _bound[len(_bound) - len(axes) :]
 
 
 def bound_names() -> list[str]:

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, overload
 
 import optree
@@ -66,6 +66,7 @@ class DataParallelStep:
         described: list[Line],
         donate_argnums: tuple[int, ...],
         group: dist.ProcessGroup | None,
+        axes: dict[str, dist.ProcessGroup],
         trace: bool,
         check_replicas: tuple[int, ...],
         cache_size: int,
@@ -81,6 +82,7 @@ class DataParallelStep:
         self._options = options
         self._donate_argnums = donate_argnums
         self._group = group
+        self._more_axes = axes
         self._trace = trace
         self._profiling = False
         name = self.__name__
@@ -98,6 +100,11 @@ class DataParallelStep:
 
     def _axis(self, traced: bool = False) -> ProcessAxis:
         return process_axis(self._axis_name, self._group, traced=traced)
+
+    def _axes(self, traced: bool = False) -> list[ProcessAxis]:
+        """The step's axis, then the ``axes`` it was given (each over a subgroup)."""
+        more = [process_axis(n, g, traced=traced) for n, g in self._more_axes.items()]
+        return [self._axis(traced), *more]
 
     @contextlib.contextmanager
     def profile(self, path: str | os.PathLike) -> Iterator[None]:
@@ -145,7 +152,7 @@ class DataParallelStep:
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         self._before_run(compiled, args, tensors)
         with _timeline.step_range() if self._profiling else contextlib.nullcontext():
-            out = compiled.run(args, tensors, check.settle, self._axis(traced=True))
+            out = compiled.run(args, tensors, check.settle, self._axes(traced=True))
         key = self._unsaved.pop(signature, None)
         if key is not None:
             _persistent_cache.save(key, compiled)
@@ -155,7 +162,7 @@ class DataParallelStep:
     def _run_eagerly(self, args: tuple, settle: Callable[[], None]) -> Any:
         settle()
         self._replicas.check_digests(args, eager=True)
-        with _axes.bind(self._axis()):
+        with _axes.bind(*self._axes()):
             return self._sharded_step(args)(*args)
 
     def _before_run(self, compiled: Compiled, args: tuple, tensors: list[torch.Tensor]) -> None:
@@ -235,13 +242,13 @@ class DataParallelStep:
         machine = self._measured_machine(tensors)  # before a capture error can split the ranks
         donated = _donated_leaves(args, self._donate_argnums)
         key = None
-        if not self._options.overlap_steps:
+        if not (self._options.overlap_steps or self._more_axes):
             key = _persistent_cache.key_for(
                 self._step_fn, signature, leaves, self._described, donated, self._group
             )
         device = _device(tensors)
         agreed_cap = self._agreed_cap(key, machine, device)
-        with _axes.bind(self._axis(traced=True)):
+        with _axes.bind(*self._axes(traced=True)):
             compiled = _pipeline.compile_step(
                 self._sharded_step(args),
                 args,
@@ -295,8 +302,8 @@ class DataParallelStep:
     def _sharded_step(self, args: tuple) -> Callable[..., Any]:
         """The step as traced: sharded parameter arguments gathered for it and its outputs in
         their positions cut back into shards (``fddp.shard_params``)."""
-        with _axes.bind(self._axis()):
-            return _sharded_params.gathering(self._step_fn, args, self._axis_name, self.__name__)
+        with _axes.bind(*self._axes()):
+            return _sharded_params.gathering(self._step_fn, args, self.__name__)
 
     def _compare(self, lines: list[Line]) -> Any:
         return find_difference(lines, self._group) if _runtime.world_size(self._group) > 1 else None
@@ -339,6 +346,7 @@ def data_parallel(
     donate_argnums: int | Sequence[int] = ...,
     comm_dtype: torch.dtype | None = ...,
     group: dist.ProcessGroup | None = ...,
+    axes: Mapping[str, dist.ProcessGroup] | None = ...,
     trace: bool = ...,
     check_replicas: bool | Sequence[int] = ...,
     cache_size: int = ...,
@@ -357,6 +365,7 @@ def data_parallel(
     donate_argnums: int | Sequence[int] = ...,
     comm_dtype: torch.dtype | None = ...,
     group: dist.ProcessGroup | None = ...,
+    axes: Mapping[str, dist.ProcessGroup] | None = ...,
     trace: bool = ...,
     check_replicas: bool | Sequence[int] = ...,
     cache_size: int = ...,
@@ -374,6 +383,7 @@ def data_parallel(
     donate_argnums: int | Sequence[int] = (),
     comm_dtype: torch.dtype | None = None,
     group: dist.ProcessGroup | None = None,
+    axes: Mapping[str, dist.ProcessGroup] | None = None,
     trace: bool = True,
     check_replicas: bool | Sequence[int] = True,
     cache_size: int = 16,
@@ -409,6 +419,11 @@ def data_parallel(
         donate_argnums: arguments whose storage the step may reuse for its outputs.
         comm_dtype: cast each bucket to this dtype for the all-reduce (e.g. ``torch.bfloat16``).
         group: the process group (default: the world).
+        axes: more named axes for the step's collectives, each over a subgroup of ``group``
+            (every rank passes its own subgroup of each name): a 2-D mesh, such as hybrid
+            sharding's ``{"shard": ranks_of_my_node, "replicate": my_peers_on_other_nodes}``
+            (README, "Hybrid sharding"). ``axis_name`` still names the whole group. Steps
+            with ``axes`` are not written to the persistent program cache.
         trace: False runs ``step_fn`` eagerly (collectives bucketed per call, no overlap).
         check_replicas: arguments that must be identical on every rank; True means argument
             0 (the parameters), False none. On the first call with each signature one small
@@ -457,6 +472,7 @@ def data_parallel(
         donate_argnums=donate_argnums,
         comm_dtype=comm_dtype,
         group=group,
+        axes=axes,
         trace=trace,
         check_replicas=check_replicas,
         cache_size=cache_size,
@@ -465,6 +481,34 @@ def data_parallel(
     if step_fn is None:
         return functools.partial(_data_parallel, **options)
     return _data_parallel(step_fn, **options)
+
+
+def _checked_axes(
+    axes: Mapping[str, dist.ProcessGroup], axis_name: str, group: dist.ProcessGroup | None
+) -> dict[str, dist.ProcessGroup]:
+    """``data_parallel``'s ``axes``, each a process group of ranks of ``group``."""
+    if not axes:
+        return {}
+    _runtime.ensure_group()
+    outer = set(dist.get_process_group_ranks(group or dist.group.WORLD))
+    for name, sub in axes.items():
+        if name == axis_name:
+            raise ValueError(
+                f"data_parallel: axes names {name!r}, which is axis_name, the whole group's "
+                "axis; give the subgroup another name."
+            )
+        if not isinstance(sub, dist.ProcessGroup):
+            raise TypeError(
+                f"data_parallel: axes[{name!r}] is a {type(sub).__name__}; pass the "
+                "torch.distributed process group (e.g. from dist.new_subgroups or a "
+                "DeviceMesh's get_group) that this rank belongs to."
+            )
+        if not set(dist.get_process_group_ranks(sub)) <= outer:
+            raise ValueError(
+                f"data_parallel: axes[{name!r}] holds ranks outside the step's group; each "
+                "axis must be a subgroup of group."
+            )
+    return dict(axes)
 
 
 def _qualified_name(fn: Callable[..., Any]) -> str:
@@ -493,6 +537,7 @@ def _data_parallel(
     donate_argnums: int | Sequence[int],
     comm_dtype: torch.dtype | None,
     group: dist.ProcessGroup | None,
+    axes: Mapping[str, dist.ProcessGroup] | None,
     trace: bool,
     check_replicas: bool | Sequence[int],
     cache_size: int,
@@ -513,6 +558,7 @@ def _data_parallel(
     )
     options = _pipeline.Options(cap, comm_dtype, backend, overlap_steps)
     donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    more_axes = _checked_axes(axes or {}, axis_name, group)
     checked = (0,) if check_replicas is True else tuple(check_replicas or ())
     described: list[Line] = [
         (
@@ -529,6 +575,7 @@ def _data_parallel(
         ("option check_replicas", repr(checked)),
         ("option cache_size", repr(cache_size)),
         ("option overlap_steps", repr(overlap_steps)),
+        ("option axes", repr({n: dist.get_world_size(g) for n, g in more_axes.items()})),
     ]
     return DataParallelStep(
         step_fn,
@@ -537,6 +584,7 @@ def _data_parallel(
         described=described,
         donate_argnums=donate,
         group=group,
+        axes=more_axes,
         trace=trace,
         check_replicas=checked,
         cache_size=cache_size,

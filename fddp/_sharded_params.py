@@ -53,6 +53,7 @@ class Layout:
         comm_dtype: the dtype of the gathers (None: the parameters' own).
         reshard_after_forward: gather again for the backward pass (True) or keep the gathered
             parameters from their first use to their last (False).
+        axis_name: the axis the shards are cut over (a step gathers them over it).
     """
 
     tree: optree.PyTreeSpec
@@ -63,11 +64,12 @@ class Layout:
     replicas: int
     comm_dtype: torch.dtype | None
     reshard_after_forward: bool
+    axis_name: str = DEFAULT_AXIS
 
     def __repr__(self) -> str:  # the step's signature compares it across ranks
         return (
             f"Layout({len(self.shapes)} leaves in {len(self.buckets)} buckets over "
-            f"{self.replicas} replicas, comm_dtype={self.comm_dtype}, "
+            f"{self.replicas} replicas of axis {self.axis_name!r}, comm_dtype={self.comm_dtype}, "
             f"reshard_after_forward={self.reshard_after_forward}, buckets="
             f"{[(b.leaves[0], b.leaves[-1], b.size) for b in self.buckets]}, tree={self.tree})"
         )
@@ -163,6 +165,7 @@ def shard_params(
             replicas,
             comm_dtype,
             reshard_after_forward,
+            axis_name,
         )
         return ShardedParams(tuple(_own_shards(leaves, layout, axis_name)), layout)
 
@@ -285,23 +288,23 @@ def sharded_positions(args: tuple) -> tuple[int, ...]:
     return tuple(i for i, a in enumerate(args) if isinstance(a, ShardedParams))
 
 
-def gathering(step_fn: Callable[..., Any], args: tuple, axis_name: str, where: str) -> Any:
+def gathering(step_fn: Callable[..., Any], args: tuple, where: str) -> Any:
     """``step_fn`` as a step on ``args``' sharded parameters: each :class:`ShardedParams`
-    argument gathered into its full tree, the output in its position cut back into shards
-    (``step_fn`` itself where no argument is sharded)."""
+    argument gathered into its full tree over the axis it is sharded over, the output in its
+    position cut back into shards (``step_fn`` itself where no argument is sharded)."""
     positions = sharded_positions(args)
     if not positions:
         return step_fn
     layouts = {n: args[n].layout for n in positions}
     skeletons = {n: _skeleton(layout) for n, layout in layouts.items()}
     for n in positions:  # before tracing: every rank raises it alike
-        _check_replicas(args[n], axis_name)
+        _check_replicas(args[n], layouts[n].axis_name)
 
     def sharded_step(*call_args: Any) -> Any:
         with _gathered.recording():
             full = list(call_args)
             for n in positions:
-                full[n] = _unpacked(call_args[n], axis_name, str(n), skeletons[n])
+                full[n] = _unpacked(call_args[n], layouts[n].axis_name, str(n), skeletons[n])
             out = step_fn(*full)
             single = not isinstance(out, tuple)
             outs = [out] if single else list(out)
@@ -312,7 +315,8 @@ def gathering(step_fn: Callable[..., Any], args: tuple, axis_name: str, where: s
                         f"return the new parameters at position {n}; it returned "
                         f"{len(outs)} value{'s' * (len(outs) != 1)}."
                     )
-                outs[n] = _resharded(outs[n], layouts[n], skeletons[n], axis_name, where)
+                layout = layouts[n]
+                outs[n] = _resharded(outs[n], layout, skeletons[n], layout.axis_name, where)
             if single:
                 return outs[0]
             return tuple(outs) if type(out) is tuple else type(out)(*outs)

@@ -345,7 +345,7 @@ def _vmap_call(
             for spec, n in zip(specs, counts)
         ]
         with _axes.bind(VmapAxis(axis_name, replicas, replica_index)):
-            out = _gathered_call(fn, axis_name, inner_args, kwargs)
+            out = _gathered_call(fn, inner_args, kwargs)
         out_leaves, spec = optree.tree_flatten(out)
         if not uniform:
             flat_out_dims[:] = _prefix_dims(out_dims, out, "out_dims")
@@ -363,9 +363,7 @@ def _vmap_call(
     return optree.tree_unflatten(out_spec[0], flat_out)
 
 
-def _gathered_call(
-    fn: Callable[..., Any], axis_name: str, args: list[Any], kwargs: dict[str, Any]
-) -> Any:
+def _gathered_call(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> Any:
     """``fn(*args, **kwargs)``, with each ``fddp.ShardedParams`` argument gathered for it and
     the output in its position cut back into shards, as ``data_parallel`` runs a step (but for
     the functions that take the shards themselves, such as ``fddp.full_params``)."""
@@ -373,7 +371,7 @@ def _gathered_call(
     if fn in TAKES_SHARDS:
         return step(*args)
     where = f"fddp.vmap({getattr(fn, '__name__', 'fn')})"
-    return gathering(step, tuple(args), axis_name, where)(*args)
+    return gathering(step, tuple(args), where)(*args)
 
 
 def vmap(

@@ -38,6 +38,7 @@ from fddp._collectives import (
     axis_index,
     axis_size,
     named_axis,
+    pmean,
     psum_scatter,
 )
 from fddp._optim import call_update, takes_shard_axes
@@ -167,6 +168,7 @@ def shard_state(
     *,
     bucket_cap_mb: float | None = None,
     comm_dtype: torch.dtype | None = None,
+    replicate_axis: str | None = None,
 ) -> GradientTransformation:
     """Shard ``inner``'s state over the replicas of ``axis_name`` (ZeRO stages 1 and 2).
 
@@ -196,6 +198,12 @@ def shard_state(
         comm_dtype: reduce-scatter the gradients in this dtype (e.g. ``torch.bfloat16``);
             the updates are all-gathered in the parameters' dtype. (``data_parallel``'s own
             ``comm_dtype`` applies to the all-reduces it buckets, not to these.)
+        replicate_axis: hybrid sharding (HSDP): an axis over which the state is replicated,
+            not sharded. Each gradient shard, reduce-scattered over ``axis_name``, is then
+            averaged over this axis too (an all-reduce of ``1/N`` of the gradient bytes), so
+            the updates are the mean over both axes; the state is ``1/N`` of the whole on
+            each rank, ``N`` the size of ``axis_name``. Inside ``data_parallel``, bind it with
+            ``axes`` (README, "Hybrid sharding").
 
     Returns:
         A ``GradientTransformation`` whose state is a :class:`ShardedState`.
@@ -240,6 +248,8 @@ def shard_state(
         n = axis_size(axis_name)
         buckets = _layout(leaves, n, cap_bytes)
         grads = [_reduce_scatter_mean(_flat_bucket(leaves, b, n), n) for b in buckets]
+        if replicate_axis is not None:
+            grads = pmean(grads, replicate_axis)
         param_shards = None
         gathered: list[_gathered.Piece | None] = [None] * len(buckets)
         if params is not None:

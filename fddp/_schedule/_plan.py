@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import torch
+import torch.distributed
 from torch import fx
 
 from fddp._annotations import BUCKET_LEAVES, LEAF_PATH
@@ -134,6 +137,18 @@ def describe(
     return Plan(tuple(plans), count, capture_seconds, captured_with)
 
 
+@functools.cache
+def _argument_names(op: torch._ops.OpOverload) -> tuple[str, ...]:
+    return tuple(a.name for a in op._schema.arguments)
+
+
+def _group_of(name: object) -> str:
+    """A process group by its size: ranks of different subgroups of one axis (data_parallel's
+    ``axes``) name their groups differently and still run the same schedule."""
+    group = torch.distributed.distributed_c10d._resolve_process_group(str(name))
+    return f"group of {group.size()}"
+
+
 def collective_sequence(graph: fx.Graph) -> list[str]:
     """One line per collective, in launch order: op, shape, dtype, non-tensor arguments and the
     leaves it carries (a bucket's leaves in packing order), so that two ranks whose buckets have
@@ -142,7 +157,11 @@ def collective_sequence(graph: fx.Graph) -> list[str]:
     for node in graph.nodes:
         if is_collective(node):
             val = node.args[0].meta["val"]
-            extra = [a for a in node.args[1:] if not isinstance(a, fx.Node)]
+            extra = [
+                _group_of(a) if name == "group_name" else a
+                for name, a in zip(_argument_names(node.target)[1:], node.args[1:])
+                if not isinstance(a, fx.Node)
+            ]
             shape = "x".join(map(str, val.shape))
             leaves = node.meta.get(BUCKET_LEAVES) or node.meta.get("custom", {}).get(LEAF_PATH)
             lines.append(f"{node.target._opname}({shape}, {val.dtype}, {extra}, {leaves})")

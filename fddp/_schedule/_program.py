@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import optree
@@ -66,13 +66,17 @@ class Compiled:
         return self.varying_tensors is None or self.dynamo is not None
 
     def run(
-        self, args: tuple, tensors: list[torch.Tensor], settle: Callable[[], None], axis: _axes.Axis
+        self,
+        args: tuple,
+        tensors: list[torch.Tensor],
+        settle: Callable[[], None],
+        axes: Sequence[_axes.Axis],
     ) -> Any:
         """Run the step; ``settle`` (the call's agreement) runs before its first collective,
         and before anything at all when no gate sits in the graph."""
         if self.dynamo is not None:
             settle()
-            return self._run_first(args, tensors, axis)
+            return self._run_first(args, tensors, axes)
         program = self.program
         if not program.gated or program.across_steps is not None:
             settle()  # a merged program runs the last call's tail before its gate
@@ -90,10 +94,12 @@ class Compiled:
     def graph_inputs(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return [tensors[i] if isinstance(i, int) else i for i in self.captured.inputs]
 
-    def _run_first(self, args: tuple, tensors: list[torch.Tensor], axis: _axes.Axis) -> Any:
+    def _run_first(
+        self, args: tuple, tensors: list[torch.Tensor], axes: Sequence[_axes.Axis]
+    ) -> Any:
         """Run a Dynamo capture once through Dynamo, learning where each output leaf comes from."""
         assert self.dynamo is not None
-        with _axes.bind(axis):
+        with _axes.bind(*axes):
             out, graph_outputs = self.dynamo.run_once(args, self.program.run)
         self.dynamo = None
         leaves, out_spec = optree.tree_flatten(out)
