@@ -144,12 +144,19 @@ class ProcessAxis:
         )
 
 
-def gather_rows(x: torch.Tensor, group_name: GroupName, size: int, gloo: bool) -> torch.Tensor:
-    """Concatenate ``x`` (at least 1-d) from every rank along dim 0."""
+def gather_rows(
+    x: torch.Tensor, group_name: GroupName, size: int, gloo: bool, *, alone: bool = False
+) -> torch.Tensor:
+    """Concatenate ``x`` (at least 1-d) from every rank along dim 0.
+
+    ``alone``: the caller guarantees that no other all-gather of the process runs while this
+    one does (``_schedule._param_gathers`` runs parameter gathers one at a time), so gloo's
+    own all-gather is safe; it sends ``x`` where the all-to-all below sends ``size`` copies.
+    """
     if size == 1:
         return x.clone()
     x = x.contiguous()
-    if gloo:
+    if gloo and not alone:
         # Gloo's all-gather (AsyncAllgatherCoalescedWork) corrupts the heap when two run at once
         # on its two worker threads, as a scheduled step's overlapped buckets do (torch 2.13):
         # send every rank a copy of x through the all-to-all instead, the same bytes on the wire.

@@ -31,8 +31,11 @@ from fddp import _axes, _gathered
 from fddp._annotations import LEAF_PATH, PARAM_GATHER, PARAM_GATHER_KEPT
 from fddp._axes import DEFAULT_AXIS
 from fddp._collectives import (
+    ProcessAxis,
     all_gather,
     axis_size,
+    gather_rows,
+    named_axis,
     process_axis,
 )
 from fddp._errors import UsageValueError
@@ -229,7 +232,7 @@ def _unpacked(
             dtype = shard.dtype
             wire_dtype = layout.comm_dtype if annotate is not None else None  # exact outside
             wire = shard if wire_dtype in (None, dtype) else shard.to(wire_dtype)
-            full = all_gather(wire, axis_name, tiled=True)
+            full = _gather(wire, axis_name, alone=annotate is not None)
             full = full if full.dtype == dtype else full.to(dtype)
             sizes = [math.prod(layout.shapes[i]) for i in bucket.leaves]
             parts = full[: bucket.size].split(sizes)
@@ -247,6 +250,15 @@ def _skeleton(layout: Layout) -> Any:
     """The parameter tree with each leaf's index in its place, made before a trace: Dynamo
     traces a ``tree_map`` over it, but cannot unflatten a tree spec made outside its trace."""
     return optree.tree_unflatten(layout.tree, list(range(len(layout.shapes))))
+
+
+def _gather(shard: torch.Tensor, axis_name: str, alone: bool) -> torch.Tensor:
+    """``all_gather(shard, tiled=True)``; ``alone``: in a step, whose compiler runs parameter
+    gathers one at a time, through the process group's own all-gather (see gather_rows)."""
+    axis = named_axis(axis_name)
+    if not (alone and isinstance(axis, ProcessAxis)) or shard.requires_grad:
+        return all_gather(shard, axis_name, tiled=True)
+    return gather_rows(shard, axis.group_name, axis.group_size, axis.gloo, alone=True)
 
 
 def _bucket_paths(layout: Layout, bucket: Bucket) -> tuple[str, ...]:

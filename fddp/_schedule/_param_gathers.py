@@ -8,8 +8,13 @@ before this one is used again, unless the bucket is kept for the whole step
 (``reshard_after_forward=False``). Each span's gather is
 waited for just before the span's first use; its launch runs ``PREFETCH`` gathers earlier, just
 after the wait of the gather that many places before it (FSDP2's forward and backward
-prefetch, from the graph instead of module hooks). A gathered bucket then dies after the last
-use of its span: the FX code frees every value after its last use.
+prefetch, from the graph instead of module hooks), but not before the backward pass it is
+for begins. A gathered bucket then dies after the last use of its span: the FX code frees
+every value after its last use.
+
+What else bounds the step's memory: gradient buckets are allocated where they are first
+written, one reduce-scatter is in flight, and one gather (on gloo, two gloo all-gathers at
+once corrupt the heap).
 """
 
 from __future__ import annotations
@@ -17,12 +22,18 @@ from __future__ import annotations
 import collections
 from typing import NamedTuple
 
+import torch
 from torch import fx
 
 from fddp._annotations import FORWARD, LEAF_PATH, PARAM_GATHER, PARAM_GATHER_KEPT
 from fddp._schedule._graph import is_collective, is_view, is_wait, mutated_inputs
+from fddp._schedule._overlap import bound_sharding_collectives
 
 PREFETCH = 1  # gathers in flight ahead of the one being waited for
+# Each in flight holds a whole bucket of gradients (and, on gloo, receives one); one overlaps
+# a layer's backward as FSDP2's does, and the MLP of benchmarks/step_memory.py peaks 6 MiB
+# lower than with two, at the same step time.
+REDUCE_SCATTERS_IN_FLIGHT = 1
 INSTANCE = "fddp_gather_instance"  # on every node of one gather: (bucket key, span index)
 SPANS = "fddp_gather_spans"  # on a gather's launch: how many gathers its bucket has
 
@@ -160,6 +171,7 @@ def place(graph: fx.Graph, prefetch: int = PREFETCH) -> None:
         ((spans[key][index][0], key, index) for key, index in instances),
         key=lambda t: t[0],
     )
+    backward_from = _backward_starts(sorted({u for key in spans for s in spans[key] for u in s}))
     heads = [n for n in graph.nodes if n.op == "placeholder"]
     start = heads[-1] if heads else None
     for j, (first_use, key, index) in enumerate(order):
@@ -172,6 +184,8 @@ def place(graph: fx.Graph, prefetch: int = PREFETCH) -> None:
             first_use.prepend(node)
         if _movable(chain):
             anchor = order[j - prefetch][0] if j >= prefetch else None
+            if anchor is not None and first_use in backward_from:  # not across the loss
+                anchor = max(anchor, backward_from[first_use])
             if anchor is not None and rest and rest[0] < anchor:  # two first uses at one node
                 anchor = rest[0]
             for node in chain:
@@ -184,7 +198,77 @@ def place(graph: fx.Graph, prefetch: int = PREFETCH) -> None:
                     graph.find_nodes(op="output")[0].prepend(node)
         launch.meta[SPANS] = len(spans[key])
     _sink_views(graph)
+    sink_allocations(graph)
+    bound_sharding_collectives(graph, limit=REDUCE_SCATTERS_IN_FLIGHT)
+    one_gather_at_a_time(graph)
     graph.eliminate_dead_code()
+
+
+def _gathers_params(node: fx.Node) -> bool:
+    return is_collective(node) and _tag(node, PARAM_GATHER) is not None
+
+
+def one_gather_at_a_time(graph: fx.Graph) -> int:
+    """Each parameter gather waited for before the next one launches; returns the waits moved.
+
+    On gloo they are its own all-gather, which corrupts the heap when two run at once (see
+    ``fddp._collectives.gather_rows``). The placement above launches each gather after the wait
+    of the one before; a gather whose shard the step computes stays where it was traced."""
+    in_flight: fx.Node | None = None
+    moved = 0
+    for node in list(graph.nodes):
+        if is_wait(node) and node.args[0] is in_flight:
+            in_flight = None
+        elif _gathers_params(node):
+            if in_flight is not None:
+                node.prepend(next(u for u in in_flight.users if is_wait(u)))
+                moved += 1
+            in_flight = node
+    return moved
+
+
+def _fresh(node: fx.Node, sinking: set[fx.Node]) -> bool:
+    """A buffer made from nothing (``empty``, ``zeros``) or a view of one."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    inputs = node.all_input_nodes
+    if not inputs:
+        return not mutated_inputs(node)
+    return is_view(node) and all(p in sinking for p in inputs)
+
+
+def sink_allocations(graph: fx.Graph) -> int:
+    """Every fresh buffer and its views just before their first user; returns how many moved.
+
+    Ordering the graph by bucket (``_overlap``) runs first whatever needs no collective, as
+    the gradient buckets' ``empty`` do; in a fully sharded step the forward pass needs the
+    gathers, so every gradient bucket would be allocated before it and live all step."""
+    sinking: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.users and _fresh(node, sinking):
+            sinking.add(node)
+    moved = 0
+    for node in sorted(sinking, reverse=True):
+        first = min(node.users)
+        if node.next is not first:
+            first.prepend(node)
+            moved += 1
+    return moved
+
+
+def _backward_starts(uses: list[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """For each use in a backward pass, the first use of that pass (``uses`` in graph order).
+
+    A gather prefetched from the forward pass for the backward pass would be alive through
+    the loss and its gradient, where the activations peak: FSDP2 does not prefetch there
+    either."""
+    out: dict[fx.Node, fx.Node] = {}
+    first: fx.Node | None = None
+    for use in uses:
+        first = None if _tag(use, FORWARD) else (first or use)
+        if first is not None:
+            out[use] = first
+    return out
 
 
 def _sink_views(graph: fx.Graph) -> None:
