@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, cast
 
 import torch
 import torch.distributed
@@ -145,7 +146,8 @@ def _argument_names(op: torch._ops.OpOverload) -> tuple[str, ...]:
 def _group_of(name: object) -> str:
     """A process group by its size: ranks of different subgroups of one axis (data_parallel's
     ``axes``) name their groups differently and still run the same schedule."""
-    group = torch.distributed.distributed_c10d._resolve_process_group(str(name))
+    resolve = torch.distributed.distributed_c10d._resolve_process_group
+    group = resolve(cast(Any, name))  # a GroupName, as the graph's collective holds it
     return f"group of {group.size()}"
 
 
