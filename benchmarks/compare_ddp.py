@@ -69,8 +69,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--fsdp",
         action="store_true",
-        help="also fully sharded parameters: fddp.shard_params (fddp+full) against FSDP2 "
-        "(fully_shard per block, fsdp2)",
+        help="also fully sharded parameters: fddp.shard_params (fddp+full, and fddp+full+keep "
+        "with reshard_after_forward=False) against FSDP2 (fully_shard per block, fsdp2)",
     )
     p.add_argument("--no-memory", action="store_true", help="skip the per-variant memory runs")
     p.add_argument("--memory-steps", type=int, default=5)
@@ -98,15 +98,19 @@ class Spec:
     zero: bool = False  # optimizer state sharded: shard_state / ZeroRedundancyOptimizer
     overlap: bool = False  # fddp's overlap_steps=True
     full: bool = False  # fully sharded parameters (fddp.shard_params)
+    keep: bool = False  # ... gathered once per step (reshard_after_forward=False)
 
     @classmethod
     def from_name(cls, name: str) -> Spec:
         """The spec of a plain variant name: ``fddp``, ``ddp@5``, ``fddp+zero``..."""
         name, zero = name.removesuffix("+zero"), name.endswith("+zero")
         name, overlap = name.removesuffix("+overlap"), name.endswith("+overlap")
+        name, keep = name.removesuffix("+keep"), name.endswith("+keep")
         name, full = name.removesuffix("+full"), name.endswith("+full")
         kind, _, mb = name.partition("@")
-        return cls(kind, float(mb) if mb else None, zero=zero, overlap=overlap, full=full)
+        return cls(
+            kind, float(mb) if mb else None, zero=zero, overlap=overlap, full=full, keep=keep
+        )
 
     @property
     def name(self) -> str:
@@ -114,6 +118,7 @@ class Spec:
         name += "" if self.donate else "-nodonate"
         name += "+overlap" if self.overlap else ""
         name += "+full" if self.full else ""
+        name += "+keep" if self.keep else ""
         return name + ("+compile" if self.compile else "") + ("+zero" if self.zero else "")
 
 
@@ -142,7 +147,7 @@ def variant_specs(args: argparse.Namespace) -> tuple[Spec, ...]:
     if args.overlap:
         main.insert(1, Spec("fddp", overlap=True))
     if args.fsdp:
-        main[1:1] = [Spec("fddp", full=True), Spec("fsdp2")]
+        main[1:1] = [Spec("fddp", full=True), Spec("fddp", full=True, keep=True), Spec("fsdp2")]
     sweep = []
     if args.sweep:
         sizes = [float(s) for s in args.sweep_mb.split(",")]
@@ -223,7 +228,7 @@ def fddp_(spec: Spec, workload: Workload, device: torch.device) -> Variant:
     opt = optim.shard_state(opt) if spec.zero or spec.full else opt
     state = [params, opt.init(params), buffers]
     if spec.full:
-        state[0] = fddp.shard_params(params)
+        state[0] = fddp.shard_params(params, reshard_after_forward=not spec.keep)
         del params
     kwargs: dict[str, Any] = {} if spec.bucket_mb is None else {"bucket_cap_mb": spec.bucket_mb}
     pstep = fddp.data_parallel(
