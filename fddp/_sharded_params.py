@@ -196,12 +196,19 @@ def _check_replicas(sharded: ShardedParams, axis_name: str) -> None:
 
 
 def full_params(
-    sharded: ShardedParams, axis_name: str = DEFAULT_AXIS, *, group: dist.ProcessGroup | None = None
+    sharded: ShardedParams,
+    axis_name: str = DEFAULT_AXIS,
+    *,
+    group: dist.ProcessGroup | None = None,
+    rank0_only: bool = False,
 ) -> Any:
     """The full parameter tree of ``sharded``, on every replica (one gather per bucket).
 
     For evaluation and export: ``model.load_state_dict(fddp.full_params(sharded))`` takes it
-    when the tree is the dict of ``fddp.state(model)``.
+    when the tree is the dict of ``fddp.state(model)``. ``rank0_only=True`` (over a process
+    group) gathers the shards to the group's rank 0 only, which returns the tree; the other
+    ranks send their shards and return None, holding no full bucket at any time (FSDP's
+    ``rank0_only`` state dicts).
     """
     if not isinstance(sharded, ShardedParams):
         raise TypeError(
@@ -210,7 +217,36 @@ def full_params(
         )
     with _bound(axis_name, group):
         _check_replicas(sharded, axis_name)
+        if rank0_only:
+            return _on_rank0(sharded, axis_name)
         return _unpacked(sharded, axis_name, annotate=None)
+
+
+def _on_rank0(sharded: ShardedParams, axis_name: str) -> Any:
+    axis = named_axis(axis_name)
+    if not isinstance(axis, ProcessAxis):
+        raise ValueError(
+            f"full_params(rank0_only=True) gathers over a process group; axis {axis_name!r} "
+            "is not one here (under fddp.vmap, gather on every replica instead)."
+        )
+    group = dist.distributed_c10d._resolve_process_group(axis.group_name)
+    root = axis.group_rank == 0
+    layout = sharded.layout
+    leaves: list[Any] = [None] * len(layout.shapes)
+    for bucket, shard in zip(layout.buckets, sharded.shards, strict=True):
+        received = [torch.empty_like(shard) for _ in range(axis.group_size)] if root else None
+        dist.gather(shard.contiguous(), received, group=group, group_dst=0)
+        if received is not None:
+            for i, view in zip(bucket.leaves, _bucket_views(torch.cat(received), bucket, layout)):
+                leaves[i] = view
+    return optree.tree_unflatten(layout.tree, leaves) if root else None
+
+
+def _bucket_views(full: torch.Tensor, bucket: Bucket, layout: Layout) -> list[torch.Tensor]:
+    """The leaves of ``bucket``, as views of its gathered flat buffer ``full``."""
+    sizes = [math.prod(layout.shapes[i]) for i in bucket.leaves]
+    parts = full[: bucket.size].split(sizes)
+    return [p.view(layout.shapes[i]) for p, i in zip(parts, bucket.leaves)]
 
 
 # The functions that take sharded parameters themselves: fddp.vmap does not gather for them.
@@ -234,9 +270,7 @@ def _unpacked(
             wire = shard if wire_dtype in (None, dtype) else shard.to(wire_dtype)
             full = _gather(wire, axis_name, alone=annotate is not None)
             full = full if full.dtype == dtype else full.to(dtype)
-            sizes = [math.prod(layout.shapes[i]) for i in bucket.leaves]
-            parts = full[: bucket.size].split(sizes)
-            views = [p.view(layout.shapes[i]) for p, i in zip(parts, bucket.leaves)]
+            views = _bucket_views(full, bucket, layout)
         for i, view in zip(bucket.leaves, views):
             leaves[i] = view
         if annotate is not None:

@@ -132,9 +132,25 @@ def _check(case: str):
     return _train(model, False, **options), _train(model, True, **options)
 
 
+def _rank0_only():
+    model, _, _ = _gpt()
+    params, _ = fddp.state(model)
+    sharded = fddp.shard_params(params, bucket_cap_mb=TINY)
+    return params, fddp.full_params(sharded, rank0_only=True), fddp.full_params(sharded)
+
+
 @pytest.fixture(scope="module")
 def runs():
-    return run_checks({c: functools.partial(_check, c) for c in CASES}, 2, timeout=420)
+    checks = {c: functools.partial(_check, c) for c in CASES}
+    return run_checks({**checks, "rank0_only": _rank0_only}, 2, timeout=420)
+
+
+def test_full_params_on_rank_0_only(runs):
+    (params, on_root, everywhere), (_, on_other, everywhere_too) = runs["rank0_only"]
+    assert_trees_close(on_root, params, rtol=0, atol=0)
+    assert on_other is None
+    assert_trees_close(everywhere, params, rtol=0, atol=0)
+    assert_trees_close(everywhere_too, params, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("case", list(CASES))
