@@ -136,11 +136,11 @@ def check_identical(
 
 
 def varying(
-    tensors: list[torch.Tensor], group: dist.ProcessGroup | None, local: torch.Tensor | None = None
+    tensors: list[torch.Tensor], group: dist.ProcessGroup | None, known: torch.Tensor | None = None
 ) -> list[bool]:
     """For each tensor (of the same shapes on every rank), whether its bits differ between ranks
-    (``local``: their :func:`digests`, where the caller has them)."""
-    local = digests(tensors) if local is None else local
+    (``known``: their :func:`digests`, where the caller has them)."""
+    local = digests(tensors) if known is None else known
     everyone = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, local, group=group)
     stacked = torch.stack(everyone)

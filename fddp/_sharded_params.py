@@ -299,9 +299,7 @@ def _bucket_paths(layout: Layout, bucket: Bucket) -> tuple[str, ...]:
     return tuple(layout.paths[i] for i in bucket.leaves)
 
 
-def _resharded(
-    tree: Any, layout: Layout, skeleton: Any, axis_name: str, where: str
-) -> ShardedParams:
+def _resharded(tree: Any, layout: Layout, skeleton: Any, where: str) -> ShardedParams:
     leaves, spec = optree.tree_flatten(tree)
     if spec != optree.tree_structure(skeleton) or any(
         not isinstance(x, torch.Tensor) or tuple(x.shape) != s or x.dtype != d
@@ -320,7 +318,7 @@ def _resharded(
         if piece is not None and piece.layout is layout and piece.bucket == b:
             shards.append(piece.shard)
         else:
-            shards.append(own_shard(leaves, bucket, layout.replicas, axis_name))
+            shards.append(own_shard(leaves, bucket, layout.replicas, layout.axis_name))
     return ShardedParams(tuple(shards), layout)
 
 
@@ -361,8 +359,7 @@ def gathering(step_fn: Callable[..., Any], args: tuple, where: str) -> Any:
                         f"return the new parameters at position {n}; it returned "
                         f"{len(outs)} value{'s' * (len(outs) != 1)}."
                     )
-                layout = layouts[n]
-                outs[n] = _resharded(outs[n], layout, skeletons[n], layout.axis_name, where)
+                outs[n] = _resharded(outs[n], layouts[n], skeletons[n], where)
             if single:
                 return outs[0]
             return tuple(outs) if type(out) is tuple else type(out)(*outs)

@@ -208,23 +208,20 @@ def _gathers_params(node: fx.Node) -> bool:
     return is_collective(node) and _tag(node, PARAM_GATHER) is not None
 
 
-def one_gather_at_a_time(graph: fx.Graph) -> int:
-    """Each parameter gather waited for before the next one launches; returns the waits moved.
+def one_gather_at_a_time(graph: fx.Graph) -> None:
+    """Each parameter gather waited for before the next one launches.
 
     On gloo they are its own all-gather, which corrupts the heap when two run at once (see
     ``fddp._collectives.gather_rows``). The placement above launches each gather after the wait
     of the one before; a gather whose shard the step computes stays where it was traced."""
     in_flight: fx.Node | None = None
-    moved = 0
     for node in list(graph.nodes):
         if is_wait(node) and node.args[0] is in_flight:
             in_flight = None
         elif _gathers_params(node):
             if in_flight is not None:
                 node.prepend(next(u for u in in_flight.users if is_wait(u)))
-                moved += 1
             in_flight = node
-    return moved
 
 
 def _fresh(node: fx.Node, sinking: set[fx.Node]) -> bool:
@@ -237,8 +234,8 @@ def _fresh(node: fx.Node, sinking: set[fx.Node]) -> bool:
     return is_view(node) and all(p in sinking for p in inputs)
 
 
-def sink_allocations(graph: fx.Graph) -> int:
-    """Every fresh buffer and its views just before their first user; returns how many moved.
+def sink_allocations(graph: fx.Graph) -> None:
+    """Every fresh buffer and its views just before their first user.
 
     Ordering the graph by bucket (``_overlap``) runs first whatever needs no collective, as
     the gradient buckets' ``empty`` do; in a fully sharded step the forward pass needs the
@@ -247,13 +244,10 @@ def sink_allocations(graph: fx.Graph) -> int:
     for node in graph.nodes:
         if node.users and _fresh(node, sinking):
             sinking.add(node)
-    moved = 0
     for node in sorted(sinking, reverse=True):
         first = min(node.users)
         if node.next is not first:
             first.prepend(node)
-            moved += 1
-    return moved
 
 
 def _backward_starts(uses: list[fx.Node]) -> dict[fx.Node, fx.Node]:
