@@ -303,7 +303,8 @@ class DataParallelStep:
         """The step as traced: sharded parameter arguments gathered for it and its outputs in
         their positions cut back into shards (``fddp.shard_params``)."""
         with _axes.bind(*self._axes()):
-            return _sharded_params.gathering(self._step_fn, args, self.__name__)
+            fx_backend = self._options.in_place  # the FX backend runs fddp's schedule as it is
+            return _sharded_params.gathering(self._step_fn, args, self.__name__, fx_backend)
 
     def _compare(self, lines: list[Line]) -> Any:
         return find_difference(lines, self._group) if _runtime.world_size(self._group) > 1 else None

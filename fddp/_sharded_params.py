@@ -254,7 +254,11 @@ TAKES_SHARDS = frozenset({full_params})
 
 
 def _unpacked(
-    sharded: ShardedParams, axis_name: str, annotate: str | None, skeleton: Any = None
+    sharded: ShardedParams,
+    axis_name: str,
+    annotate: str | None,
+    skeleton: Any = None,
+    one_at_a_time: bool = False,
 ) -> Any:
     layout = sharded.layout
     leaves: list[Any] = [None] * len(layout.shapes)
@@ -268,7 +272,7 @@ def _unpacked(
             dtype = shard.dtype
             wire_dtype = layout.comm_dtype if annotate is not None else None  # exact outside
             wire = shard if wire_dtype in (None, dtype) else shard.to(wire_dtype)
-            full = _gather(wire, axis_name, alone=annotate is not None)
+            full = _gather(wire, axis_name, alone=one_at_a_time)
             full = full if full.dtype == dtype else full.to(dtype)
             views = _bucket_views(full, bucket, layout)
         for i, view in zip(bucket.leaves, views):
@@ -287,7 +291,7 @@ def _skeleton(layout: Layout) -> Any:
 
 
 def _gather(shard: torch.Tensor, axis_name: str, alone: bool) -> torch.Tensor:
-    """``all_gather(shard, tiled=True)``; ``alone``: in a step, whose compiler runs parameter
+    """``all_gather(shard, tiled=True)``; ``alone``: in a step whose schedule runs parameter
     gathers one at a time, through the process group's own all-gather (see gather_rows)."""
     axis = named_axis(axis_name)
     if not (alone and isinstance(axis, ProcessAxis)) or shard.requires_grad:
@@ -332,10 +336,16 @@ def sharded_positions(args: tuple) -> tuple[int, ...]:
     return tuple(i for i, a in enumerate(args) if isinstance(a, ShardedParams))
 
 
-def gathering(step_fn: Callable[..., Any], args: tuple, where: str) -> Any:
+def gathering(
+    step_fn: Callable[..., Any], args: tuple, where: str, one_at_a_time: bool = False
+) -> Any:
     """``step_fn`` as a step on ``args``' sharded parameters: each :class:`ShardedParams`
     argument gathered into its full tree over the axis it is sharded over, the output in its
-    position cut back into shards (``step_fn`` itself where no argument is sharded)."""
+    position cut back into shards (``step_fn`` itself where no argument is sharded).
+
+    ``one_at_a_time``: the step runs as fddp schedules it, whose parameter gathers never
+    overlap (``_schedule._param_gathers``), so they may use gloo's own all-gather. Not under
+    Inductor, which moves waits and would let two run at once: that corrupts gloo's heap."""
     positions = sharded_positions(args)
     if not positions:
         return step_fn
@@ -348,7 +358,9 @@ def gathering(step_fn: Callable[..., Any], args: tuple, where: str) -> Any:
         with _gathered.recording():
             full = list(call_args)
             for n in positions:
-                full[n] = _unpacked(call_args[n], layouts[n].axis_name, str(n), skeletons[n])
+                full[n] = _unpacked(
+                    call_args[n], layouts[n].axis_name, str(n), skeletons[n], one_at_a_time
+                )
             out = step_fn(*full)
             single = not isinstance(out, tuple)
             outs = [out] if single else list(out)

@@ -111,6 +111,9 @@ def _train(model_name, full, *, precision=None, guard=False, steps=STEPS, **opti
         assert any(c.gather for c in plan.collectives), plan
         assert bool(plan.across_steps) == options.get("overlap_steps", False), plan
         assert plan.captured_with.startswith("dynamo") == (model_name == "dynamo mlp"), plan
+        # Inductor moves waits: two gloo all-gathers at once corrupt its heap (a segfault)
+        native = {c.kind for c in plan.collectives} & {"all_gather_into_tensor"}
+        assert not (options.get("compile") and native), plan
     params = fddp.full_params(params) if full else params
     return optree.tree_map(torch.Tensor.clone, params), torch.stack(losses)
 
