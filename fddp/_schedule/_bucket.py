@@ -38,6 +38,7 @@ from fddp._schedule._graph import (
     returned_argument,
     value,
 )
+from fddp._schedule._quick_record import view_value
 
 aten = torch.ops.aten
 
@@ -426,4 +427,7 @@ class _Chain:
                     node.meta["val"] = written.meta["val"]
                     continue
                 args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-                node.meta["val"] = cast(Callable[..., Any], node.target)(*args, **kwargs)
+                val = view_value(node.target, args, kwargs)  # the bucket's slots and parts
+                if val is None:
+                    val = cast(Callable[..., Any], node.target)(*args, **kwargs)
+                node.meta["val"] = val

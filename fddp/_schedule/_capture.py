@@ -37,6 +37,7 @@ from fddp import _runtime
 from fddp._errors import CaptureError, PrintWhileTracingWarning, UsageError
 from fddp._schedule import _backward_mode
 from fddp._schedule._graph import remove_double_waits
+from fddp._schedule._quick_record import QuickRecord
 
 _FDDP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
@@ -142,7 +143,9 @@ def trace_with_make_fx(
     def flat_step(*tensors: torch.Tensor) -> list[torch.Tensor]:
         it = iter(tensors)
         full = [next(it) if t else x for t, x in zip(is_tensor, leaves)]
-        out_leaves, outputs["spec"] = optree.tree_flatten(fn(*optree.tree_unflatten(spec, full)))
+        with QuickRecord():
+            out = fn(*optree.tree_unflatten(spec, full))
+        out_leaves, outputs["spec"] = optree.tree_flatten(out)
         outputs["leaves"] = out_leaves
         return [x for x in out_leaves if isinstance(x, torch.Tensor)]
 
@@ -172,8 +175,16 @@ def lower_to_aten(
     fakes = [fake_mode.from_tensor(t) for t in example_inputs]
     interpreter = _backward_mode.Interpreter if fused_backward else fx.Interpreter
     with fake_mode, fx_traceback.preserve_node_meta(), _use_lazy_graph_module(True):
-        aten = make_fx(lambda *args: interpreter(gm).run(*args))(*fakes)
+        aten = make_fx(_quickly(interpreter(gm).run))(*fakes)
     return _tidy(aten)
+
+
+def _quickly(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any) -> Any:
+        with QuickRecord():
+            return fn(*args)
+
+    return run
 
 
 def _fresh_function(fn: Callable[..., Any]) -> Callable[..., Any]:
