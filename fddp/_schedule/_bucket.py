@@ -35,6 +35,7 @@ from fddp._schedule._graph import (
     nbytes,
     positions,
     ready_node,
+    replace_uses,
     returned_argument,
     value,
 )
@@ -356,11 +357,13 @@ def _unpack(
     add = chain.add
     sizes = [value(m.source).numel() for m in bucket]
     parts = add(aten.split_with_sizes.default, result, sizes) if len(bucket) > 1 else None
+    replacements = {}
     for i, m in enumerate(bucket):
         part = add(operator.getitem, parts, i) if parts is not None else result
         leaf = add(aten.view.default, part, list(value(m.source).shape))
-        old = next(iter(m.wait.users)) if divided else m.wait
-        old.replace_all_uses_with(leaf)
+        replacements[next(iter(m.wait.users)) if divided else m.wait] = leaf
+    replace_uses(replacements)
+    for m, old in zip(bucket, replacements):
         for node in (old, m.wait, m.collective) if divided else (old, m.collective):
             graph.erase_node(node)
     chain.erase_dead()

@@ -188,6 +188,16 @@ def ready_node(writes: dict[fx.Node, list[fx.Node]], source: fx.Node, reader: fx
     return max([source, *(w for w in writes.get(alias_root(source), ()) if w < reader)])
 
 
+def replace_uses(replacements: dict[fx.Node, fx.Node]) -> None:
+    """Every use of each key of ``replacements`` reads its value instead. Each user's arguments
+    are rebuilt once: ``replace_all_uses_with`` rebuilds a foreach op's list of N leaves once
+    per leaf, N^2 in all."""
+    users = {user: None for old in replacements for user in old.users}
+    for user in users:
+        user.args = fx.node.map_arg(user.args, lambda n: replacements.get(n, n))
+        user.kwargs = fx.node.map_arg(user.kwargs, lambda n: replacements.get(n, n))
+
+
 def remove_double_waits(graph: fx.Graph) -> None:
     """``wait(wait(x))`` is ``wait(x)``: the traced collectives wrap each result twice."""
     for node in list(graph.nodes):

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import itertools
 import operator
+from typing import cast
 
 import torch
 from torch import fx
 
-from fddp._schedule._graph import is_collective, is_wait
+from fddp._schedule._graph import is_collective, is_wait, replace_uses
 
 aten = torch.ops.aten
 
@@ -185,12 +186,12 @@ def reinplace(
             continue
         node.target = inplace
         if isinstance(node.args[0], (list, tuple)):
-            for user in list(node.users):
-                assert user.target is operator.getitem
-                source = selfs[user.args[1]]
-                user.replace_all_uses_with(source)
+            items = list(node.users)
+            assert all(user.target is operator.getitem for user in items)
+            replace_uses({user: selfs[cast(int, user.args[1])] for user in items})
+            for user in items:
                 graph.erase_node(user)
-                storages.extend_reads(source)
+                storages.extend_reads(selfs[cast(int, user.args[1])])
             node.meta["val"] = None
         else:
             storages.alias(node, selfs[0])
