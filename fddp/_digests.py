@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 from typing import Any
 
 import torch
@@ -24,41 +26,67 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``t`` as int64 words, 4 bytes each where the size allows."""
+    """The bytes of ``t`` as words, 4 bytes each (int32) where the size allows."""
     raw = _bytes(t)
-    return (raw.view(torch.int32) if raw.numel() % 4 == 0 else raw).to(torch.int64)
+    return raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
 
 
-def _hash(words: torch.Tensor, offset: int) -> torch.Tensor:
-    """Two position-weighted sums in wrapping int64 arithmetic: exact, order-independent to
-    compute, so equal on every device, and changed by a permutation of the words."""
-    position = torch.arange(offset, offset + words.numel(), dtype=torch.int64, device=words.device)
-    first = (words * (position * _WEIGHT[0] + _WEIGHT[1])).sum()
-    second = (words * words * (position * _SECOND[0] + _SECOND[1])).sum()
-    return torch.stack([first, second])
+@functools.lru_cache(maxsize=8)
+def _position_weights(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``position * multiplier + increment`` of each digest for positions 0 .. _CHUNK - 1."""
+    position = torch.arange(_CHUNK, dtype=torch.int64, device=device)
+    return position * _WEIGHT[0] + _WEIGHT[1], position * _SECOND[0] + _SECOND[1]
+
+
+def _terms(words: torch.Tensor) -> torch.Tensor:
+    """Per word of ``words`` (int32 or uint8), the four terms a digest sums: ``w * weight``,
+    ``w``, ``w^2 * second weight``, ``w^2`` (positions from 0), as rows of an int64 ``(4, n)``
+    tensor.
+
+    A run of words starting at position ``s`` instead of 0 sums to the same first two terms
+    shifted: ``sum(w * ((p + s) * a + b)) = sum(w * (p * a + b)) + s * a * sum(w)``, exactly in
+    wrapping arithmetic, so the weights are computed once (:func:`_position_weights`).
+    """
+    first, second = _position_weights(words.device)
+    n = words.numel()
+    terms = torch.empty(4, n, dtype=torch.int64, device=words.device)
+    wide = terms[1].copy_(words)
+    torch.mul(wide, first[:n], out=terms[0])
+    torch.mul(wide, wide, out=terms[3])
+    torch.mul(terms[3], second[:n], out=terms[2])
+    return terms
+
+
+def _combine(sums: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """The digests ``(first, second)`` of runs whose four term sums are the last dim of
+    ``sums``, taken as if each run's positions counted from its own start."""
+    first = sums[..., 0] - starts * _WEIGHT[0] * sums[..., 1]
+    second = sums[..., 2] - starts * _SECOND[0] * sums[..., 3]
+    return torch.stack([first, second], dim=-1)
 
 
 def _single(words: torch.Tensor) -> torch.Tensor:
-    """The digest of one tensor's ``words``, hashed ``_CHUNK`` words at a time."""
+    """The digest of one tensor's ``words``: two position-weighted sums in wrapping int64
+    arithmetic (exact, order-independent to compute, so equal on every device, and changed by
+    a permutation of the words), ``_CHUNK`` words at a time."""
     total = torch.zeros(2, dtype=torch.int64, device=words.device)
     for start in range(0, max(words.numel(), 1), _CHUNK):
-        total += _hash(words[start : start + _CHUNK], start)
+        sums = _terms(words[start : start + _CHUNK]).sum(dim=1)
+        total += _combine(sums, torch.tensor(-start, device=words.device))
     return total.cpu()
 
 
 def _batched(raws: list[torch.Tensor], wide: bool) -> torch.Tensor:
     """The digests of several small tensors' bytes at once, equal to :func:`_single` of each:
-    one concatenation, positions counted from each tensor's start, sums by segment."""
+    one concatenation, the terms summed by a running sum read at each tensor's end."""
     flat = torch.cat(raws)
-    words = (flat.view(torch.int32) if wide else flat).to(torch.int64)
-    lengths = torch.tensor([r.numel() // (4 if wide else 1) for r in raws], device=words.device)
-    segment = torch.repeat_interleave(torch.arange(len(raws), device=words.device), lengths)
-    starts = torch.cumsum(lengths, 0) - lengths
-    position = torch.arange(words.numel(), device=words.device) - starts[segment]
-    first = words * (position * _WEIGHT[0] + _WEIGHT[1])
-    second = words * words * (position * _SECOND[0] + _SECOND[1])
-    sums = torch.zeros(len(raws), 2, dtype=torch.int64, device=words.device)
-    return sums.index_add_(0, segment, torch.stack([first, second], dim=1)).cpu()
+    words = flat.view(torch.int32) if wide else flat
+    lengths = [r.numel() // (4 if wide else 1) for r in raws]
+    ends = torch.tensor(list(itertools.accumulate(lengths)), device=words.device)
+    running = torch.cumsum(_terms(words), dim=1)
+    at_ends = torch.cat([torch.zeros_like(running[:, :1]), running[:, ends - 1]], dim=1)
+    sums = (at_ends[:, 1:] - at_ends[:, :-1]).T
+    return _combine(sums, ends - torch.tensor(lengths, device=words.device)).cpu()
 
 
 def digests(tensors: list[torch.Tensor]) -> torch.Tensor:
