@@ -11,15 +11,22 @@ layer and the cost of each added layer between rows, which stays flat when every
 first call is linear in the graph.
 
     python benchmarks/depth.py --layers 8,16,32,64,128
+
+``--baseline REV`` also runs the same jobs on git revision REV (its own ``benchmarks/depth.py``,
+from a temporary worktree), interleaved depth by depth with this checkout's, and adds its first
+calls and the ratio of the two: on a shared machine whose speed drifts by tens of percent
+between runs, a comparison within one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import multiprocessing
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +39,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import fddp
 import fddp.optim as optim
+from benchmarks.provenance import commit, git
 from benchmarks.ranks import free_port, join_world
 from benchmarks.workloads import GPT
 
@@ -100,19 +108,62 @@ def run_job(world: int, layers: int, cache: str, steps: int) -> dict:
     return result
 
 
+def baseline_row(tree: Path, layers: int, args: argparse.Namespace) -> list[str]:
+    """The cells of the row that ``tree``'s own depth.py prints for ``layers``."""
+    with tempfile.TemporaryDirectory() as out:
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(tree / "benchmarks" / "depth.py"),
+                "--layers",
+                str(layers),
+                "--world-size",
+                str(args.world_size),
+                "--steps",
+                str(args.steps),
+                "--out",
+                out,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    row = next(line for line in done.stdout.splitlines() if line.startswith(f"| {layers} |"))
+    return [cell.strip() for cell in row.strip("|").split("|")]
+
+
+def seconds(cell: str) -> float:
+    return float(cell.removesuffix(" s"))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", default="8,16,32,64,128")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=5, help="steps after the first call")
+    p.add_argument("--baseline", help="a git revision to run interleaved with this checkout")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args()
+    with contextlib.ExitStack() as stack:
+        tree = None
+        if args.baseline:
+            tree = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "baseline"
+            git("worktree", "add", "--detach", str(tree), args.baseline)
+            stack.callback(git, "worktree", "remove", "--force", str(tree))
+        run(args, tree)
+
+
+def run(args: argparse.Namespace, tree: Path | None) -> None:
     rows = []
     header = (
         "| layers | leaves | first call | per layer | per added layer | capture | "
         "passes, agreement, run | restarted first call | steady step |"
     )
-    lines = [header, "|" + "---|" * 9]
+    columns = 9
+    if tree is not None:
+        header += " baseline first call | baseline restarted | first call / baseline |"
+        columns += 3
+    lines = [header, "|" + "---|" * columns]
     previous: tuple[int, float] | None = None
     print(header, flush=True)
     for layers in (int(x) for x in args.layers.split(",")):
@@ -120,8 +171,10 @@ def main() -> None:
             fresh = run_job(args.world_size, layers, cache, args.steps)
             again = run_job(args.world_size, layers, cache, args.steps)
         assert again["how"].endswith("loaded from cache"), again["how"]
-        added = "" if previous is None else (
-            f"{(fresh['first'] - previous[1]) / (layers - previous[0]) * 1e3:.0f} ms"
+        added = (
+            ""
+            if previous is None
+            else (f"{(fresh['first'] - previous[1]) / (layers - previous[0]) * 1e3:.0f} ms")
         )
         previous = (layers, fresh["first"])
         row = (
@@ -130,6 +183,9 @@ def main() -> None:
             f"{fresh['first'] - fresh['capture']:.2f} s | {again['first']:.2f} s | "
             f"{fresh['step'] * 1e3:.1f} ms |"
         )
+        if tree is not None:
+            base = baseline_row(tree, layers, args)
+            row += f" {base[2]} | {base[7]} | {fresh['first'] / seconds(base[2]):.2f} |"
         rows.append(row)
         lines.append(row)
         print(row, flush=True)
@@ -138,8 +194,16 @@ def main() -> None:
     report.write_text(
         f"# First call against depth ({args.world_size} gloo ranks, torch {torch.__version__}, "
         f"{os.cpu_count()} cores)\n\n"
-        "`python benchmarks/depth.py` — rank 0's figures; the restarted job loads the first "
-        "job's programs from the cache directory (`fddp.set_cache_dir`).\n\n"
+        f"`python benchmarks/depth.py{' --baseline ' + args.baseline if args.baseline else ''}` "
+        f"at commit {commit()} — rank 0's figures; the restarted job loads the first job's "
+        "programs from the cache directory (`fddp.set_cache_dir`)."
+        + (
+            f" The baseline columns are revision {args.baseline}'s own depth.py, run "
+            "interleaved with this checkout's, depth by depth."
+            if args.baseline
+            else ""
+        )
+        + "\n\n"
         + "\n".join(lines)
         + "\n"
     )
