@@ -4,10 +4,8 @@ compare what they compiled."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,7 +27,7 @@ from fddp._schedule import (
     _replication,
 )
 from fddp._schedule._capture import Captured, capture
-from fddp._schedule._program import Compiled, Program
+from fddp._schedule._program import Compiled, Program, collector_paused
 
 BACKENDS = ("fx", "inductor")  # run the scheduled FX graph, or compile it with Inductor
 
@@ -129,21 +127,6 @@ def choose_cap(
     )
 
 
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while a step compiles: a capture and its passes
-    allocate millions of small objects and almost no garbage cycles, and the collections they
-    set off walked the whole heap (about 0.9 s of a 32-layer model's first call); it runs
-    again, as it was, afterwards."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 Compare = Callable[[list[Line]], "Difference | None"]  # the ranks' lines: where they differ
 
 
@@ -172,7 +155,7 @@ def compile_step(
     error: Exception | None = None
     compiled: Compiled | None = None
     try:
-        with _collector_paused():
+        with collector_paused():  # a capture and its passes allocate millions of objects
             compiled = cached() if cached is not None else None
             if compiled is None:
                 captured, dynamo = capture(

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+import gc
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import optree
@@ -17,6 +19,26 @@ from fddp._schedule._capture import Captured, DynamoCapture
 from fddp._signature import leaf_paths
 
 RANK_SOURCE = "the rank (fddp.axis_index, or a psum_scatter block)"
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off within the block, as it was afterwards.
+
+    Compiling a step allocates millions of small objects and almost no garbage cycles: the
+    collections they set off walked the whole growing heap (about 0.9 s of a 32-layer model's
+    first call). Running one allocates a Python tensor per graph node (about 30,000 at 96
+    layers), and activations that live across the step's collections were promoted until a full
+    collection of the heap (the compiled graph included, 0.4 s at 96 layers) ran every 10 to 20
+    steps. A step's tensors die by reference count; the collector runs after it, as usual.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @dataclasses.dataclass
@@ -80,7 +102,7 @@ class Compiled:
         program = self.program
         if not program.gated or program.across_steps is not None:
             settle()  # a merged program runs the last call's tail before its gate
-        with _gate.armed(settle):
+        with _gate.armed(settle), collector_paused():
             results = (program.across_steps or program.run)(self.graph_inputs(tensors))
         settle()
         outputs = self.captured.outputs
