@@ -116,13 +116,14 @@ class CallCheck:
         if _runtime.world_size(self._group) == 1:
             return Pending(self, [], None, on_argument_mismatch)
         key = (signature, request)
-        if key not in self._lines:
+        known = self._lines.get(key)
+        if known is None:
             if len(self._lines) >= _LINES_KEPT:
                 self._lines.clear()
             arguments = signature.lines(leaf_paths(args))
             lines = [("the request", request), *self._options, *arguments]
-            self._lines[key] = (lines, digest(lines))
-        lines, value = self._lines[key]
+            known = self._lines[key] = (lines, digest(lines))
+        lines, value = known
         return Pending(self, lines, value, on_argument_mismatch)
 
     def agreed(self) -> None:

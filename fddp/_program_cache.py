@@ -30,8 +30,8 @@ class ProgramCache(Generic[Program]):
 
     def get(self, signature: Signature) -> Program | None:
         program = self._programs.get(signature)
-        if program is not None:
-            self._programs.move_to_end(signature)
+        if program is not None and len(self._programs) > 1:
+            self._programs.move_to_end(signature)  # another key lookup: only where it orders
         return program
 
     def put(self, signature: Signature, program: Program) -> None:

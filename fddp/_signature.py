@@ -59,28 +59,51 @@ class StaticSpec(NamedTuple):
 
 
 LeafSpec = TensorSpec | StaticSpec
-_tensor_spec = TensorSpec._make  # without the keyword parsing of TensorSpec(...): every call
 
 
 class Signature:
-    """The cache key of a compiled step: tree structure, then one spec per leaf.
+    """The cache key of a compiled step: the tree structure, then the tensor leaves' shapes,
+    strides, dtypes and devices (each a column, one tuple over all tensor leaves), which tensor
+    leaves are the same tensor, and the non-tensor leaves' stable keys.
 
-    Equal and hashed by the tree and the specs, static values by their stable keys; the hash is
-    computed once (the signature is built on every call).
+    Built on every call, so it is built and compared column by column, without an object per
+    leaf; the hash is computed once. :attr:`leaves` (one spec per leaf, for messages) is made
+    from the columns when asked for.
     """
 
-    __slots__ = ("_hash", "_key", "leaves", "tree")
+    __slots__ = ("_columns", "_hash", "_key", "_leaves", "tree")
 
-    def __init__(self, tree: optree.PyTreeSpec, leaves: tuple[LeafSpec, ...]) -> None:
-        self.tree, self.leaves = tree, leaves
-        self._key = (tree, tuple(x if type(x) is TensorSpec else x[:2] for x in leaves))
+    def __init__(
+        self,
+        tree: optree.PyTreeSpec,
+        columns: tuple[tuple, tuple, tuple, tuple, tuple[int, ...] | None],
+        statics: tuple[tuple[int, StaticSpec], ...],
+    ) -> None:
+        self.tree, self._columns = tree, (columns, statics)
+        self._key = (tree, columns, tuple((i, x[:2]) for i, x in statics))
         self._hash = hash(self._key)
+        self._leaves: tuple[LeafSpec, ...] | None = None
 
     def __hash__(self) -> int:
         return self._hash
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Signature) and self._key == other._key
+
+    @property
+    def leaves(self) -> tuple[LeafSpec, ...]:
+        """One spec per leaf, in the tree's order; ``alias`` counts all leaves."""
+        if self._leaves is None:
+            (shapes, strides, dtypes, devices, aliases), statics = self._columns
+            specs: list[LeafSpec | None] = [None] * (len(shapes) + len(statics))
+            for i, static in statics:
+                specs[i] = static
+            where = [i for i, spec in enumerate(specs) if spec is None]
+            for k, i in enumerate(where):
+                alias = where[aliases[k]] if aliases is not None else i
+                specs[i] = TensorSpec(shapes[k], strides[k], dtypes[k], devices[k], alias)
+            self._leaves = tuple(spec for spec in specs if spec is not None)
+        return self._leaves
 
     def lines(self, paths: list[str]) -> list[Line]:
         """Labelled lines for :func:`fddp._agree.find_difference`."""
@@ -151,17 +174,28 @@ def _static_spec(leaf: Any, path: str) -> StaticSpec:
 def signature_of(args: tuple) -> tuple[Signature, list[Any]]:
     """The signature of ``args`` and their flat leaves."""
     leaves, tree = optree.tree_flatten(args)
-    first_seen: dict[int, int] = {}
-    paths: list[str] = []
-    specs: list[LeafSpec] = []
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor):
-            alias = first_seen.setdefault(id(leaf), i)
-            specs.append(_tensor_spec((leaf.shape, leaf.stride(), leaf.dtype, leaf.device, alias)))
-            continue
-        paths = paths or leaf_paths(args)
-        specs.append(_static_spec(leaf, paths[i]))
-    return Signature(tree, tuple(specs)), leaves
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    statics: tuple[tuple[int, StaticSpec], ...] = ()
+    if len(tensors) < len(leaves):
+        paths = leaf_paths(args)
+        statics = tuple(
+            (i, _static_spec(x, paths[i]))
+            for i, x in enumerate(leaves)
+            if not isinstance(x, torch.Tensor)
+        )
+    ids = [id(x) for x in tensors]
+    aliases = None  # each tensor leaf its own tensor, else the index of its first occurrence
+    if len(set(ids)) < len(ids):
+        first: dict[int, int] = {}
+        aliases = tuple(first.setdefault(n, k) for k, n in enumerate(ids))
+    columns = (
+        tuple([x.shape for x in tensors]),
+        tuple([x.stride() for x in tensors]),
+        tuple([x.dtype for x in tensors]),
+        tuple([x.device for x in tensors]),
+        aliases,
+    )
+    return Signature(tree, columns, statics), leaves
 
 
 def leaf_paths(args: tuple) -> list[str]:
