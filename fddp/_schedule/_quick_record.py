@@ -23,13 +23,16 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-try:  # make_fx's internals: without them every op takes make_fx's own path
+try:  # make_fx's and FakeTensorMode's internals: without them every op takes make_fx's path
+    from torch._subclasses.fake_tensor import in_kernel_invocation_manager
     from torch.fx.experimental.proxy_tensor import _ProxyTensor, get_proxy_mode, set_proxy_slot
+
+    _AVAILABLE = True
 except ImportError:  # pragma: no cover - a torch that moved them
-    get_proxy_mode = None  # type: ignore[assignment]
+    _AVAILABLE = False
 
 _LIKE_INPUT = "like input"  # same shape, strides and dtype as the (contiguous) tensor arguments
 _CONTIGUOUS = "contiguous"  # same shape and dtype, contiguous
@@ -96,7 +99,7 @@ class QuickRecord(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         layout = _RULES.get(func)
-        if layout is not None and get_proxy_mode is not None:
+        if layout is not None and _AVAILABLE:
             out = _record(func, layout, args, kwargs)
             if out is not None:
                 return out
@@ -193,7 +196,8 @@ def _view_metas(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor] | No
     ``_RULES`` and its input a plain fake tensor of static size."""
     x = args[0] if args else None
     if not (
-        _RULES.get(func) == _VIEW
+        _AVAILABLE
+        and _RULES.get(func) == _VIEW
         and isinstance(x, torch.Tensor)
         and _plain(x, x)
         and x.constant is None  # type: ignore[attr-defined]
