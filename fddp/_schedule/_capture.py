@@ -143,8 +143,7 @@ def trace_with_make_fx(
     def flat_step(*tensors: torch.Tensor) -> list[torch.Tensor]:
         it = iter(tensors)
         full = [next(it) if t else x for t, x in zip(is_tensor, leaves)]
-        with QuickRecord():
-            out = fn(*optree.tree_unflatten(spec, full))
+        out = _quickly(fn)(*optree.tree_unflatten(spec, full))
         out_leaves, outputs["spec"] = optree.tree_flatten(out)
         outputs["leaves"] = out_leaves
         return [x for x in out_leaves if isinstance(x, torch.Tensor)]
@@ -180,6 +179,8 @@ def lower_to_aten(
 
 
 def _quickly(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run with :class:`QuickRecord` on (inside a make_fx trace)."""
+
     def run(*args: Any) -> Any:
         with QuickRecord():
             return fn(*args)
