@@ -186,12 +186,12 @@ def reinplace(
             continue
         node.target = inplace
         if isinstance(node.args[0], (list, tuple)):
-            items = list(node.users)
-            assert all(user.target is operator.getitem for user in items)
-            replace_uses({user: selfs[cast(int, user.args[1])] for user in items})
-            for user in items:
+            assert all(user.target is operator.getitem for user in node.users)
+            sources = {user: selfs[cast(int, user.args[1])] for user in node.users}
+            replace_uses(sources)
+            for user, source in sources.items():
                 graph.erase_node(user)
-                storages.extend_reads(selfs[cast(int, user.args[1])])
+                storages.extend_reads(source)
             node.meta["val"] = None
         else:
             storages.alias(node, selfs[0])
