@@ -14,6 +14,7 @@ import ast
 import builtins
 import contextlib
 import dataclasses
+import inspect
 import logging
 import os
 import re
@@ -114,6 +115,20 @@ def warn_on_printed_fakes() -> Iterator[None]:
         builtins.print = real_print
 
 
+def _tracer(fn: Callable[..., Any]) -> Callable[..., fx.GraphModule]:
+    """make_fx of ``fn`` without the torch-function mode that notes which ``torch.*`` call each
+    node came from (``node.meta["torch_fn"]``, which nothing here reads): it runs Python for
+    every tensor method and ``torch.*`` call of the step, about 15 % of a capture."""
+    return make_fx(fn, **_NO_TORCH_FN_METADATA)
+
+
+_NO_TORCH_FN_METADATA = (
+    {"_disable_torch_fn_metadata_mode": True}
+    if "_disable_torch_fn_metadata_mode" in inspect.signature(make_fx).parameters
+    else {}
+)
+
+
 def _tidy(gm: fx.GraphModule) -> fx.GraphModule:
     """Double waits and dead nodes removed. make_fx builds a lazy graph module: fx writes and
     compiles its code only if it is called, and the code is generated once, after the passes."""
@@ -152,7 +167,7 @@ def trace_with_make_fx(
     fakes = [fake_mode.from_tensor(x) for x, t in zip(leaves, is_tensor) if t]
     backward = _backward_mode.eager_backward() if fused_backward else contextlib.nullcontext()
     with fake_mode, fx_traceback.preserve_node_meta(), backward, _use_lazy_graph_module(True):
-        gm = make_fx(flat_step)(*fakes)
+        gm = _tracer(flat_step)(*fakes)
     mapping, k = [], 0
     for leaf in outputs["leaves"]:
         if isinstance(leaf, torch.Tensor):
@@ -174,7 +189,7 @@ def lower_to_aten(
     fakes = [fake_mode.from_tensor(t) for t in example_inputs]
     interpreter = _backward_mode.Interpreter if fused_backward else fx.Interpreter
     with fake_mode, fx_traceback.preserve_node_meta(), _use_lazy_graph_module(True):
-        aten = make_fx(_quickly(interpreter(gm).run))(*fakes)
+        aten = _tracer(_quickly(interpreter(gm).run))(*fakes)
     return _tidy(aten)
 
 
