@@ -17,13 +17,16 @@ unchanged. The scheduler's own new views take their values from :func:`view_valu
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.proxy import _COPY_META_FIELDS
 from torch.utils._python_dispatch import TorchDispatchMode
 
 try:  # make_fx's and FakeTensorMode's internals: without them every op takes make_fx's path
@@ -242,6 +245,15 @@ def _returns_list(func: Any) -> bool:
     return func.__name__.startswith("_foreach_") or func is torch.ops.aten.split_with_sizes.default
 
 
+def shared_meta() -> dict[str, Any]:
+    """The annotations make_fx copies onto each node it records now (``custom``, the module
+    stack): what a node written directly into its graph carries too."""
+    if not fx_traceback.has_preserved_node_meta():
+        return {}
+    current = fx_traceback.get_current_meta()
+    return {k: copy.copy(current[k]) for k in _COPY_META_FIELDS if current.get(k) is not None}
+
+
 def _record(func: Any, layout: str, args: tuple, kwargs: dict) -> Any:
     proxy_mode = get_proxy_mode()
     if proxy_mode is None:
@@ -254,26 +266,28 @@ def _record(func: Any, layout: str, args: tuple, kwargs: dict) -> Any:
             found = tracked.get(x)
             if found is None or found.constant is not None:
                 raise LookupError
-            return found.proxy
+            return found.proxy.node
         if isinstance(x, (list, tuple)):
             return type(x)(proxy(y) for y in x)
         return x
 
     try:
-        proxy_args = proxy(args)
-        proxy_kwargs = {k: proxy(v) for k, v in kwargs.items()}
+        node_args = proxy(args)
+        node_kwargs = {k: proxy(v) for k, v in kwargs.items()}
     except LookupError:  # a tensor make_fx does not track, or one it folds as a constant
         return None
     results = _results(func, layout, args, kwargs)
     if results is None:
         return None
-    name = func.overloadpacket.__name__
-    node = tracer.create_proxy("call_function", func, proxy_args, proxy_kwargs, name=name).node
+    shared = shared_meta()
+    node = tracer.graph.create_node(
+        "call_function", func, node_args, node_kwargs, name=func.overloadpacket.__name__
+    )
+    node.meta.update(shared)
     if not _returns_list(func):
         out, node.meta["val"] = results[0]
         set_proxy_slot(out, tracer, _ProxyTensor(fx.Proxy(node, tracer), None))
         return out
-    shared = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
     outs = []
     for i, (out, snapshot) in enumerate(results):
         item = tracer.graph.create_node("call_function", operator.getitem, (node, i), {})
