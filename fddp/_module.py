@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fddp._schedule._repeated import replaying
+
 
 def state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Split ``model`` into ``(params, buffers)``: dicts from qualified name to tensor.
@@ -57,7 +59,11 @@ def functional(model: nn.Module, *, return_buffers: bool = False) -> Callable[..
     ) -> Any:
         own = {name: b for name, b in model.named_buffers() if name not in buffers}
         fresh = {name: b.clone() for name, b in {**own, **buffers}.items()}
-        out = torch.func.functional_call(model, (params, fresh), args, kwargs)
+        if torch.compiler.is_compiling():  # Dynamo traces the model itself
+            out = torch.func.functional_call(model, (params, fresh), args, kwargs)
+        else:
+            with replaying(model):  # inside fddp's make_fx capture: repeated blocks traced once
+                out = torch.func.functional_call(model, (params, fresh), args, kwargs)
         return (out, fresh) if return_buffers else out
 
     return apply

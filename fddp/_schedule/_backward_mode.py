@@ -71,6 +71,11 @@ class Interpreter(fx.Interpreter):
 _AUTOGRAD_GRAD = eager_transforms._autograd_grad
 
 
+def is_active() -> bool:
+    """Whether :func:`eager_backward` is on."""
+    return eager_transforms._autograd_grad is not _AUTOGRAD_GRAD
+
+
 @contextlib.contextmanager
 def eager_backward() -> Iterator[None]:
     """Within the block, ``torch.func.grad`` and ``vjp`` at the outermost level record no

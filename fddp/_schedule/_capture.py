@@ -36,7 +36,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from fddp import _runtime
 from fddp._errors import CaptureError, PrintWhileTracingWarning, UsageError
-from fddp._schedule import _backward_mode
+from fddp._schedule import _backward_mode, _repeated
 from fddp._schedule._graph import remove_double_waits
 from fddp._schedule._quick_record import QuickRecord
 
@@ -119,13 +119,13 @@ def _tracer(fn: Callable[..., Any]) -> Callable[..., fx.GraphModule]:
     """make_fx of ``fn`` without the torch-function mode that notes which ``torch.*`` call each
     node came from (``node.meta["torch_fn"]``, which nothing here reads): it runs Python for
     every tensor method and ``torch.*`` call of the step, about 15 % of a capture."""
-    return make_fx(fn, **_NO_TORCH_FN_METADATA)
+    if _CAN_SKIP_TORCH_FN_METADATA:
+        return make_fx(fn, _disable_torch_fn_metadata_mode=True)
+    return make_fx(fn)
 
 
-_NO_TORCH_FN_METADATA = (
-    {"_disable_torch_fn_metadata_mode": True}
-    if "_disable_torch_fn_metadata_mode" in inspect.signature(make_fx).parameters
-    else {}
+_CAN_SKIP_TORCH_FN_METADATA = (
+    "_disable_torch_fn_metadata_mode" in inspect.signature(make_fx).parameters
 )
 
 
@@ -166,7 +166,13 @@ def trace_with_make_fx(
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = [fake_mode.from_tensor(x) for x, t in zip(leaves, is_tensor) if t]
     backward = _backward_mode.eager_backward() if fused_backward else contextlib.nullcontext()
-    with fake_mode, fx_traceback.preserve_node_meta(), backward, _use_lazy_graph_module(True):
+    with (
+        fake_mode,
+        fx_traceback.preserve_node_meta(),
+        backward,
+        _use_lazy_graph_module(True),
+        _repeated.session(),  # the repeated blocks of fddp.functional models are traced once
+    ):
         gm = _tracer(flat_step)(*fakes)
     mapping, k = [], 0
     for leaf in outputs["leaves"]:

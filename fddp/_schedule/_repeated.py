@@ -1,0 +1,572 @@
+"""Trace a model's repeated blocks once: the other calls of an identical block write the first
+one's graph again instead of running it.
+
+A 32-layer model runs the same block code 32 times under make_fx, which pays about 0.3 ms in
+fake-tensor dispatch and as much again in make_fx's bookkeeping for each of a block's ~120
+forward and backward ops, every time. A block whose module tree, hyperparameters, arguments and
+parameter shapes match one traced before computes the same ops on other tensors: the first is
+traced alone, on fresh fake tensors, as ``torch.func.vjp`` of the block (its forward, then its
+backward); each call of that kind becomes an ``autograd.Function`` whose forward writes the
+template's forward nodes with the call's own tensors, and whose backward writes the template's
+backward nodes, reading the forward's values. Each written node's fake value follows from the
+op's schema: a fresh tensor laid out as in the template, a view computed by the op's meta kernel
+on the call's own input, or the written argument itself for an in-place op.
+
+It applies only where the result is the graph make_fx would write, up to the order of nodes
+within a block's backward: inside fddp's make_fx capture with the fused backward, under exactly
+one ``torch.func.grad`` that nothing differentiates again, for blocks whose every attribute is a
+plain value (no tensors, hooks or containers), whose template holds only aten ops with tensor
+results, and that write none of their inputs. Anything else is traced as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import operator
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import optree
+import torch
+from torch import fx, nn
+from torch._C import _functorch
+from torch._functorch.pyfunctorch import TransformType, retrieve_all_functorch_interpreters
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from fddp._schedule import _backward_mode, _quick_record
+
+if _quick_record._AVAILABLE:
+    from torch._subclasses.fake_tensor import in_kernel_invocation_manager
+    from torch.fx.experimental.proxy_tensor import (
+        ProxyTorchDispatchMode,
+        _ProxyTensor,
+        get_proxy_mode,
+        make_fx,
+        set_proxy_slot,
+    )
+
+    _CAPTURE_MODES = (ProxyTorchDispatchMode, FakeTensorMode, _quick_record.QuickRecord)
+
+_ACTIVE: contextvars.ContextVar[_Session | None] = contextvars.ContextVar(
+    "fddp_repeated_blocks", default=None
+)
+_IN_TEMPLATE = threading.local()  # the template's own trace calls the blocks as they are
+ENABLED = True  # tests compare captures with and without
+
+
+class _NotReplayable(Exception):
+    """The block (or its template) is outside what a replay writes exactly as make_fx would."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """One template node to write: its arguments name earlier template nodes."""
+
+    node: fx.Node
+    target: Any  # an aten OpOverload, or operator.getitem
+    result: str  # "item" (getitem), "view", "written" (an in-place op's), or "fresh"
+    written: tuple[int, ...]  # for "written": the positions of the written arguments
+
+
+@dataclasses.dataclass
+class _Template:
+    forward: list[_Step]
+    backward: list[_Step]
+    inputs: list[fx.Node]  # placeholders: the call's tensor arguments, then its state
+    cotangents: list[fx.Node]  # placeholders: one per tensor output
+    outputs: list[fx.Node]  # the forward's tensor outputs
+    grads: list[fx.Node | None]  # per input, None where the input needs no gradient
+    out_spec: Any
+    out_leaves: list[Any]  # the output's leaves, tensors as None
+    graph_module: fx.GraphModule  # keeps the nodes' graph alive
+
+
+class _Session:
+    """One capture's templates, by the key of the calls they serve (None: not replayable)."""
+
+    def __init__(self) -> None:
+        self.templates: dict[Any, _Template | None] = {}
+        self.replayed = 0
+
+
+@contextlib.contextmanager
+def session() -> Iterator[None]:
+    """Within the block (fddp's make_fx capture), repeated blocks of :func:`blocks_of` may be
+    replayed."""
+    token = _ACTIVE.set(_Session() if _quick_record._AVAILABLE and ENABLED else None)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def replaying(model: nn.Module) -> Iterator[None]:
+    """Within the block, the repeated blocks of ``model`` (children of a ``ModuleList`` or
+    ``Sequential`` with an identical sibling) replay their template where they can."""
+    active = _ACTIVE.get()
+    if active is None or getattr(_IN_TEMPLATE, "on", False):
+        yield
+        return
+    patched = []
+    try:
+        for block in _repeated_children(model):
+            if "forward" in block.__dict__:
+                continue
+            original = block.forward
+            block.forward = _replaying_forward(block, original, active)
+            patched.append(block)
+        yield
+    finally:
+        for block in patched:
+            del block.forward
+
+
+def _repeated_children(model: nn.Module) -> list[nn.Module]:
+    found = []
+    for module in model.modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        kinds: dict[Any, list[nn.Module]] = {}
+        for child in module.children():
+            key = _structure(child)
+            if key is not None:
+                kinds.setdefault(key, []).append(child)
+        # one template costs about two traced blocks: worth it from three
+        found += [child for group in kinds.values() if len(group) >= 3 for child in group]
+    return found
+
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
+_HOOKS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_pre_hooks_with_kwargs",
+)
+
+
+def _plain_value(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return all(_plain_value(v) for v in value)
+    return isinstance(value, _PLAIN) or (callable(value) and hasattr(value, "__qualname__"))
+
+
+def _structure(block: nn.Module) -> Any:
+    """What a block's forward may depend on besides its tensors (its classes, flags and plain
+    attributes), or None for a block with hooks or attributes this cannot compare."""
+    parts = []
+    for name, module in block.named_modules(remove_duplicate=False):
+        attributes = []
+        for key, value in sorted(vars(module).items()):
+            if key in ("_parameters", "_buffers", "_modules"):
+                continue
+            if key in _HOOKS or key.endswith("_hooks"):
+                if value:
+                    return None
+                continue
+            if key.startswith("_") and isinstance(value, (dict, set)) and not value:
+                continue
+            if not _plain_value(value):
+                return None
+            attributes.append((key, _hashable(value)))
+        parts.append((name, type(module), tuple(attributes)))
+    return tuple(parts)
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(_hashable(v) for v in value))
+    return (type(value), value)
+
+
+def _replaying_forward(
+    block: nn.Module, original: Callable[..., Any], active: _Session
+) -> Callable[..., Any]:
+    structure = _structure(block)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_IN_TEMPLATE, "on", False) or not _may_replay():
+            return original(*args, **kwargs)
+        leaves, spec = optree.tree_flatten((args, kwargs))
+        tensor_args = [x for x in leaves if isinstance(x, torch.Tensor)]
+        others = tuple(_hashable(x) if not isinstance(x, torch.Tensor) else None for x in leaves)
+        state = {
+            **dict(block.named_parameters(remove_duplicate=False)),
+            **dict(block.named_buffers(remove_duplicate=False)),
+        }
+        names = tuple(state)
+        inputs = [*tensor_args, *state.values()]
+        try:
+            key = (structure, spec, others, names, tuple(_tensor_key(x) for x in inputs))
+            hash(key)
+        except (TypeError, _NotReplayable):
+            return original(*args, **kwargs)
+        tracked = get_proxy_mode().tracer.tensor_tracker  # type: ignore[union-attr]
+        if any(tracked.get(_unwrapped(x)) is None for x in inputs):
+            return original(*args, **kwargs)
+        if key not in active.templates:
+            active.templates[key] = _template(block, original, spec, leaves, names, inputs)
+        template = active.templates[key]
+        if template is None:
+            return original(*args, **kwargs)
+        active.replayed += 1
+        outs = _Replay.apply(_Call(template), *inputs)
+        it = iter(outs)
+        return optree.tree_unflatten(
+            template.out_spec,
+            [next(it) if x is None else x for x in template.out_leaves],
+        )
+
+    return forward
+
+
+def _may_replay() -> bool:
+    """Exactly one gradient transform, outermost and not differentiated again, make_fx
+    recording below it (see ``_backward_mode``), and none of the thread's own settings that
+    change what a block traces (autocast, saved-tensor hooks as activation checkpointing sets,
+    torch-function or dispatch modes of the user's): the template is traced in a thread of its
+    own, without them."""
+    stack = retrieve_all_functorch_interpreters()
+    return (
+        len(stack) == 1
+        and stack[0].key() == TransformType.Grad
+        and torch.is_grad_enabled()
+        and _backward_mode.is_active()
+        and get_proxy_mode() is not None
+        and not torch._C._is_any_autocast_enabled()
+        and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        and torch._C._len_torch_function_stack() == 0
+        and all(isinstance(m, _CAPTURE_MODES) for m in _get_current_dispatch_mode_stack())
+    )
+
+
+def _tensor_key(x: torch.Tensor) -> tuple:
+    level = 0
+    while _functorch.is_functorch_wrapped_tensor(x):
+        x = _functorch.get_unwrapped(x)
+        level += 1
+    if type(x) is not FakeTensor or x.constant is not None:
+        raise _NotReplayable("not a plain fake tensor")
+    if not all(type(s) is int for s in (*x.shape, *x.stride())):
+        raise _NotReplayable("symbolic sizes")
+    return (tuple(x.shape), x.stride(), x.dtype, x.device, level)
+
+
+def _unwrapped(x: torch.Tensor) -> torch.Tensor:
+    while _functorch.is_functorch_wrapped_tensor(x):
+        x = _functorch.get_unwrapped(x)
+    return x
+
+
+# ---- the template: the block's vjp traced alone, in a thread with no transforms or modes ----
+
+
+def _template(
+    block: nn.Module,
+    original: Callable[..., Any],
+    spec: Any,
+    leaves: list[Any],
+    names: tuple[str, ...],
+    inputs: list[torch.Tensor],
+) -> _Template | None:
+    wants_grad = [x.requires_grad and x.is_floating_point() for x in inputs]
+    metas = [(tuple(x.shape), x.stride(), x.dtype, x.device) for x in _unwrapped_all(inputs)]
+    n_args = len(inputs) - len(names)
+    result: list[Any] = []
+
+    def trace() -> None:
+        _IN_TEMPLATE.on = True
+        try:
+            result.append(_trace_template(block, spec, leaves, names, n_args, metas, wants_grad))
+        except Exception as e:  # the block is traced as it is instead
+            result.append(e)
+        finally:
+            _IN_TEMPLATE.on = False
+
+    thread = threading.Thread(target=trace, name="fddp-block-template")
+    thread.start()
+    thread.join()
+    found = result[0]
+    return found if isinstance(found, _Template) else None
+
+
+def _unwrapped_all(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [_unwrapped(x) for x in xs]
+
+
+def _trace_template(
+    block: nn.Module,
+    spec: Any,
+    leaves: list[Any],
+    names: tuple[str, ...],
+    n_args: int,
+    metas: list[tuple],
+    wants_grad: list[bool],
+) -> _Template:
+    fake_mode = FakeTensorMode()
+    with fake_mode:
+        fakes = [torch.empty_strided(s, st, dtype=d, device=dev) for s, st, d, dev in metas]
+
+    def call(*tensors: torch.Tensor) -> list[torch.Tensor]:
+        it = iter(tensors[:n_args])
+        args, kwargs = optree.tree_unflatten(
+            spec, [next(it) if isinstance(x, torch.Tensor) else x for x in leaves]
+        )
+        state = dict(zip(names, tensors[n_args:]))
+        out = torch.func.functional_call(block, state, args, kwargs, tie_weights=False)
+        out_leaves, out_spec = optree.tree_flatten(out)
+        box["spec"], box["leaves"] = out_spec, out_leaves
+        return [x for x in out_leaves if isinstance(x, torch.Tensor)]
+
+    box: dict[str, Any] = {}
+    with fake_mode:
+        probe = call(*fakes)  # the outputs' layouts, for the cotangents
+        cotangents = [torch.empty_strided(o.shape, o.stride(), dtype=o.dtype) for o in probe]
+    if not all(o.is_floating_point() for o in probe):
+        raise _NotReplayable("an output that is not floating point")
+    marks: dict[str, int] = {}
+
+    def joint(*flat: torch.Tensor) -> list[Any]:
+        ins, cts = list(flat[: len(fakes)]), list(flat[len(fakes) :])
+        diff = [i for i, w in enumerate(wants_grad) if w]
+
+        def f(*d: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            full = list(ins)
+            for i, x in zip(diff, d):
+                full[i] = x
+            return tuple(call(*full))
+
+        outs, vjp_fn = torch.func.vjp(f, *[ins[i] for i in diff])[:2]
+        marks["forward"] = len(get_proxy_mode().tracer.graph.nodes)  # type: ignore[union-attr]
+        grads = vjp_fn(tuple(cts))
+        per_input: list[Any] = [None] * len(ins)
+        for i, g in zip(diff, grads):
+            per_input[i] = g
+        return [*outs, *per_input]
+
+    with fake_mode:
+        gm = make_fx(joint)(*fakes, *cotangents)
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    output = nodes[-1]
+    body = [n for n in nodes if n.op not in ("placeholder", "output")]
+    boundary = marks["forward"] - len(placeholders)
+    _check(body, placeholders)
+    steps = [_step(node) for node in body]
+    forward, backward = steps[:boundary], steps[boundary:]
+    flat_out = list(output.args[0])
+    outs, grads = flat_out[: len(probe)], flat_out[len(probe) :]
+    inputs = {_storage(p.meta["val"]) for p in placeholders[: len(fakes)]}
+    if any(not isinstance(o, fx.Node) or _storage(o.meta["val"]) in inputs for o in outs):
+        raise _NotReplayable("an output that is an input or a view of one")
+    if any(g is not None and (not isinstance(g, fx.Node)) for g in grads):
+        raise _NotReplayable("a gradient that is not a node")
+    out_leaves = [None if isinstance(x, torch.Tensor) else x for x in box["leaves"]]
+    if not all(_plain_value(x) for x in out_leaves):
+        raise _NotReplayable("an output leaf that is not a tensor or a plain value")
+    return _Template(
+        forward,
+        backward,
+        placeholders[: len(fakes)],
+        placeholders[len(fakes) :],
+        outs,
+        grads,
+        box["spec"],
+        out_leaves,
+        gm,
+    )
+
+
+def _check(body: list[fx.Node], placeholders: list[fx.Node]) -> None:
+    """Only aten ops with tensor results, none writing a placeholder's storage."""
+    inputs = {_storage(p.meta["val"]) for p in placeholders}
+    for node in body:
+        if node.op != "call_function":
+            raise _NotReplayable(f"a {node.op} node")
+        if node.target is operator.getitem:
+            continue
+        if not isinstance(node.target, torch._ops.OpOverload):
+            raise _NotReplayable(f"calls {node.target}")
+        if torch.Tag.inplace_view in node.target.tags or node.target in _RESIZES:
+            raise _NotReplayable(f"{node.target} changes a tensor's metadata in place")
+        if node.target.namespace not in ("aten", "prims"):
+            raise _NotReplayable(f"calls {node.target}")
+        schema = node.target._schema
+        for ret in schema.returns:
+            if str(ret.type) not in ("Tensor", "Tensor[]", "List[Tensor]"):
+                raise _NotReplayable(f"{node.target} returns {ret.type}")
+        for arg, value in zip(schema.arguments, node.args):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                written = value.meta.get("val") if isinstance(value, fx.Node) else None
+                if not isinstance(written, torch.Tensor) or _storage(written) in inputs:
+                    raise _NotReplayable(f"{node.target} writes an input")
+        if any(
+            arg.alias_info is not None and arg.alias_info.is_write and arg.name in node.kwargs
+            for arg in schema.arguments
+        ):
+            raise _NotReplayable(f"{node.target} writes an out= argument")
+
+
+_RESIZES = {
+    op
+    for name in ("resize_", "resize_as_", "set_")
+    for op in (
+        getattr(getattr(torch.ops.aten, name), o) for o in getattr(torch.ops.aten, name).overloads()
+    )
+}
+
+
+def _storage(x: torch.Tensor) -> int:
+    return x.untyped_storage()._cdata
+
+
+# ---- the replay ----
+
+
+@dataclasses.dataclass
+class _Call:
+    template: _Template
+    env: dict[fx.Node, tuple[Any, Any]] = dataclasses.field(default_factory=dict)
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(call: _Call, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        template = call.template
+        tracer = get_proxy_mode().tracer  # type: ignore[union-attr]
+        tracked = tracer.tensor_tracker
+        for placeholder, x in zip(template.inputs, inputs):
+            call.env[placeholder] = (tracked[x].proxy.node, x)
+        _write(template.forward, call.env, tracer.graph)
+        return tuple(_result(call.env[o], tracer) for o in template.outputs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.call = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        call: _Call = ctx.call
+        template = call.template
+        tracer = get_proxy_mode().tracer  # type: ignore[union-attr]
+        tracked = tracer.tensor_tracker
+        interpreter = retrieve_all_functorch_interpreters()[-1]
+        level = interpreter.level()
+        env = dict(call.env)
+        incoming = {}
+        for placeholder, c in zip(template.cotangents, cotangents):
+            plain = _unwrapped(c)
+            env[placeholder] = (tracked[plain].proxy.node, plain)
+            incoming[placeholder] = c
+        with interpreter.lower():  # the values written are plain fake tensors, wrapped after
+            _write(template.backward, env, tracer.graph)
+            results = {g: _result(env[g], tracer) for g in template.grads if g is not None}
+        grads: list[torch.Tensor | None] = [None]
+        for g in template.grads:
+            if g is None:
+                grads.append(None)
+            elif g in incoming:
+                grads.append(incoming[g])
+            else:
+                grads.append(_functorch._wrap_for_grad(results[g], level))
+        return tuple(grads)
+
+
+def _result(entry: tuple[fx.Node, FakeTensor], tracer: Any) -> torch.Tensor:
+    """A fresh tensor carrying ``entry``'s value and node (what the block hands back)."""
+    node, value = entry
+    with torch._C._DisableTorchDispatch():
+        meta = value.as_strided(value.shape, value.stride(), value.storage_offset())
+        out = FakeTensor(value.fake_mode, meta, value.device)
+    set_proxy_slot(out, tracer, _ProxyTensor(fx.Proxy(node, tracer), None))
+    return out
+
+
+def _step(node: fx.Node) -> _Step:
+    op = node.target
+    if op is operator.getitem:
+        return _Step(node, op, "item", ())
+    assert isinstance(op, torch._ops.OpOverload)  # _check let only these through
+    returns, arguments = op._schema.returns, op._schema.arguments
+    if any(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+        return _Step(node, op, "view", ())
+    if any(r.alias_info is not None and r.alias_info.is_write for r in returns):
+        written = tuple(
+            i for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write
+        )
+        return _Step(node, op, "written", written)
+    return _Step(node, op, "fresh", ())
+
+
+def _write(steps: list[_Step], env: dict[fx.Node, tuple[fx.Node, Any]], graph: fx.Graph) -> None:
+    """Write a template's ``steps`` into ``graph``, their arguments' nodes and values taken
+    from ``env`` (template node -> (written node, value)), where each result goes too.
+
+    Each value follows from the op's schema: a fresh tensor laid out as the template's, a view
+    from the op's meta kernel on the call's own input, the written argument of an in-place op.
+    """
+    fake_mode = next(iter(env.values()))[1].fake_mode
+    shared = _quick_record.shared_meta()
+
+    def node_of(n: fx.Node) -> fx.Node:
+        return env[n][0]
+
+    def value_of(n: fx.Node) -> Any:
+        return env[n][1]
+
+    for step in steps:
+        template = step.node
+        args = fx.node.map_arg(template.args, node_of)
+        kwargs = fx.node.map_arg(template.kwargs, node_of)
+        if step.result == "item":
+            parent, index = args
+            value = value_of(template.args[0])[index]  # type: ignore[arg-type]
+            new = graph.create_node("call_function", operator.getitem, (parent, index))
+        else:
+            new = graph.create_node(
+                "call_function", step.target, args, kwargs, name=step.target.overloadpacket.__name__
+            )
+            new.meta["original_aten"] = step.target
+            value = _value(step, fake_mode, value_of)
+        new.meta.update(shared)
+        new.meta["val"] = value
+        env[template] = (new, value)
+
+
+def _value(step: _Step, fake_mode: FakeTensorMode, value_of: Callable[[fx.Node], Any]) -> Any:
+    template = step.node
+    if step.result == "fresh":
+        val = template.meta["val"]
+        return (
+            [_fresh(v, fake_mode) for v in val]
+            if isinstance(val, (list, tuple))
+            else (_fresh(val, fake_mode))
+        )
+    args = fx.node.map_arg(template.args, value_of)
+    if step.result == "written":
+        written = [args[i] for i in step.written]
+        return written[0] if len(template.target._schema.returns) == 1 else written  # type: ignore[union-attr]
+    kwargs = fx.node.map_arg(template.kwargs, value_of)
+    base = next(x for x in optree.tree_leaves((args, kwargs)) if isinstance(x, FakeTensor))
+    with in_kernel_invocation_manager(fake_mode):
+        out = step.target(*args, **kwargs)
+    with torch._C._DisableTorchDispatch():
+        if isinstance(out, (list, tuple)):
+            return [FakeTensor(fake_mode, m, base.device) for m in out]
+        return FakeTensor(fake_mode, out, base.device)
+
+
+def _fresh(template_val: torch.Tensor, fake_mode: FakeTensorMode) -> FakeTensor:
+    with torch._C._DisableTorchDispatch():
+        meta = torch.empty_strided(
+            template_val.shape, template_val.stride(), dtype=template_val.dtype, device="meta"
+        )
+        return FakeTensor(fake_mode, meta, template_val.device)

@@ -1,0 +1,222 @@
+"""Repeated blocks traced once (``_schedule._repeated``): the graph written by replaying a
+block's template computes what make_fx's graph of every block computes, bitwise, with the same
+nodes; blocks that differ, or that run where a template could differ (hooks, autocast,
+in-place writes to their inputs), are traced as they are."""
+
+from __future__ import annotations
+
+import collections
+
+import optree
+import pytest
+import torch
+import torch.nn.functional as F
+from _models import Block, next_token_loss, token_batch
+from torch import nn
+
+import fddp
+import fddp.optim as optim
+from fddp import _axes, _collectives
+from fddp._schedule import _repeated
+from fddp._schedule._capture import capture
+
+
+class Decoder(nn.Module):
+    """Token embedding, ``blocks`` and a head; ``blocks`` is any list of modules."""
+
+    def __init__(self, blocks: list[nn.Module], dim: int = 16, vocab: int = 32) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class Scaled(nn.Module):
+    """A residual MLP whose output scale is a plain attribute: blocks with different scales
+    compute different things from the same tensors."""
+
+    def __init__(self, dim: int, scale: float) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.scale * F.gelu(self.fc(x))
+
+
+class InPlace(nn.Module):
+    """Writes its input in place (not replayable) and an intermediate in place (fine)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.shift = nn.Parameter(torch.randn(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.add_(self.shift)
+        return x + self.fc(x).relu_()
+
+
+class Normed(nn.Module):
+    """BatchNorm in training mode: writes its running statistics (buffers) in place."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.bn = nn.BatchNorm1d(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bn(self.fc(x).reshape(-1, x.shape[-1])).view_as(x)
+
+
+class Dropped(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.dropout(F.gelu(self.fc(x)), p=0.3, training=True)
+
+
+def _blocks(kind: str, n: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "transformer":
+        return Decoder([Block(16, 2) for _ in range(n)])
+    if kind == "different scales":
+        return Decoder([Scaled(16, 1.0 + i) for i in range(n)])
+    if kind == "in-place input":
+        return Decoder([InPlace(16) for _ in range(n)])
+    if kind == "batch norm":
+        return Decoder([Normed(16) for _ in range(n)])
+    if kind == "dropout":
+        return Decoder([Dropped(16) for _ in range(n)])
+    if kind == "hooked":
+        model = Decoder([Scaled(16, 1.0) for _ in range(n)])
+        for block in model.blocks:
+            block.register_forward_hook(lambda m, i, o: o * 2.0)
+        return model
+    if kind == "nn.TransformerEncoder":
+        layer = nn.TransformerEncoderLayer(
+            16, 2, 32, dropout=0.0, batch_first=True, norm_first=True
+        )
+        encoder = nn.TransformerEncoder(layer, n, enable_nested_tensor=False)
+        return Decoder([encoder])
+    raise AssertionError(kind)
+
+
+def _step(model: nn.Module, *, autocast: bool = False):
+    apply = fddp.functional(model)
+    params, buffers = fddp.state(model)
+    opt = optim.adamw(1e-2, weight_decay=0.1)
+
+    def step(params, opt_state, ids):
+        def loss_fn(p):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                logits = apply(p, buffers, ids)
+            return next_token_loss(logits.float(), ids)
+
+        loss, grads = fddp.value_and_grad(loss_fn)(params)
+        updates, opt_state = opt.update(fddp.pmean(grads), opt_state, params)
+        return optim.apply_updates(params, updates), opt_state, fddp.pmean(loss)
+
+    return step, (params, opt.init(params), token_batch(0, 4))
+
+
+def _capture(step, args, monkeypatch, *, replay: bool):
+    """The captured graph of ``step(*args)`` and how many block calls were replayed."""
+    replayed = []
+    call = _repeated._Call
+
+    def counted(template):
+        replayed.append(template)
+        return call(template)
+
+    with monkeypatch.context() as m:
+        m.setattr(_repeated, "ENABLED", replay)
+        m.setattr(_repeated, "_Call", counted)
+        tensors = [x for x in optree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+        with _axes.bind(_collectives.process_axis("data", None, traced=True)):
+            captured, _ = capture(step, args, tensors, fused_backward=True)
+    assert captured.graph is not None
+    return captured, len(replayed)
+
+
+def _targets(graph: torch.fx.Graph) -> collections.Counter:
+    return collections.Counter(
+        (str(n.target), str(n.meta.get("custom"))) for n in graph.nodes if n.op != "output"
+    )
+
+
+def _outputs(captured, args, seed: int = 0) -> list[torch.Tensor]:
+    tensors = [x.clone() for x in optree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+    torch.manual_seed(seed)
+    return captured.graph(*tensors)
+
+
+REPLAYED = ["transformer", "dropout", "nn.TransformerEncoder"]
+AS_THEY_ARE = ["different scales", "in-place input", "batch norm", "hooked"]
+
+
+@pytest.mark.parametrize("kind", REPLAYED + AS_THEY_ARE)
+def test_replayed_graph_computes_what_make_fx_records(kind, monkeypatch):
+    fddp.init()
+    step, args = _step(_blocks(kind))
+    replayed, calls = _capture(step, args, monkeypatch, replay=True)
+    traced, none = _capture(step, args, monkeypatch, replay=False)
+    assert none == 0
+    if kind in REPLAYED:
+        assert calls == 4, f"{calls} of 4 blocks replayed"
+    elif kind != "different scales":  # those are grouped by scale: none has an equal
+        assert calls == 0, f"{calls} blocks replayed"
+    assert _targets(replayed.graph.graph) == _targets(traced.graph.graph)
+    got, want = _outputs(replayed, args), _outputs(traced, args)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_blocks_that_differ_in_a_plain_attribute_get_templates_of_their_own(monkeypatch):
+    """Two scales, two blocks each: two templates, each block replays its own."""
+    fddp.init()
+    torch.manual_seed(0)
+    model = Decoder([Scaled(16, s) for s in (1.0, 2.0, 1.0, 2.0, 1.0, 2.0)])
+    step, args = _step(model)
+    replayed, calls = _capture(step, args, monkeypatch, replay=True)
+    traced, _ = _capture(step, args, monkeypatch, replay=False)
+    assert calls == 6
+    for a, b in zip(_outputs(replayed, args), _outputs(traced, args)):
+        assert torch.equal(a, b)
+
+
+def test_autocast_blocks_are_traced_as_they_are(monkeypatch):
+    """The template's thread would not see the caller's autocast: no replay, same graph."""
+    fddp.init()
+    step, args = _step(_blocks("transformer"), autocast=True)
+    replayed, calls = _capture(step, args, monkeypatch, replay=True)
+    traced, _ = _capture(step, args, monkeypatch, replay=False)
+    assert calls == 0
+    assert _targets(replayed.graph.graph) == _targets(traced.graph.graph)
+
+
+def test_training_with_replayed_blocks_equals_training_without(monkeypatch):
+    """Four data_parallel steps of an 6-block decoder, replayed and traced: bitwise."""
+    fddp.init()
+    results = []
+    for replay in (True, False):
+        with monkeypatch.context() as m:
+            m.setattr(_repeated, "ENABLED", replay)
+            step, (params, state, _) = _step(_blocks("transformer", n=6))
+            pstep = fddp.data_parallel(step, donate_argnums=(0, 1))
+            for i in range(4):
+                params, state, loss = pstep(params, state, token_batch(i, 4))
+            results.append((params, state, loss))
+    (p1, s1, l1), (p2, s2, l2) = results
+    assert optree.tree_structure((p1, s1, l1)) == optree.tree_structure((p2, s2, l2))
+    for a, b in zip(optree.tree_leaves((p1, s1, l1)), optree.tree_leaves((p2, s2, l2))):
+        assert torch.equal(a, b)
