@@ -58,11 +58,21 @@ def _decode_target(encoded: tuple) -> Any:
     return _PYTHON_TARGETS[tuple(rest)]
 
 
+_PLAIN = {type(None), bool, int, float, str}
+
+
 def _encode_arg(arg: Any) -> Any:
-    if isinstance(arg, fx.Node):
+    kind = type(arg)
+    if kind in _PLAIN:
+        return arg
+    if kind is fx.Node:
         return ("node", arg.name)
-    if isinstance(arg, (list, tuple)):
-        return ("list" if isinstance(arg, list) else "tuple", [_encode_arg(a) for a in arg])
+    if isinstance(arg, (list, tuple)):  # a foreach op's hundreds of nodes: the common ones inline
+        items = [
+            ("node", a.name) if type(a) is fx.Node else a if type(a) in _PLAIN else _encode_arg(a)
+            for a in arg
+        ]
+        return ("list" if isinstance(arg, list) else "tuple", items)
     if isinstance(arg, dict):
         return ("dict", [(k, _encode_arg(v)) for k, v in arg.items()])
     if isinstance(arg, slice):
