@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fddp._schedule._repeated import replaying
+from fddp import _model_calls
 
 
 def state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -62,7 +62,7 @@ def functional(model: nn.Module, *, return_buffers: bool = False) -> Callable[..
         if torch.compiler.is_compiling():  # Dynamo traces the model itself
             out = torch.func.functional_call(model, (params, fresh), args, kwargs)
         else:
-            with replaying(model):  # inside fddp's make_fx capture: repeated blocks traced once
+            with _model_calls.calling(model):  # a capture traces repeated blocks once
                 out = torch.func.functional_call(model, (params, fresh), args, kwargs)
         return (out, fresh) if return_buffers else out
 

@@ -1,7 +1,8 @@
 """Repeated blocks traced once (``_schedule._repeated``): the graph written by replaying a
 block's template computes what make_fx's graph of every block computes, bitwise, with the same
-nodes; blocks that differ, or that run where a template could differ (hooks, autocast,
-in-place writes to their inputs), are traced as they are."""
+nodes; blocks that differ, or that run where a template could differ (hooks, autocast, Python
+objects among their arguments, in-place writes to their inputs or buffers), are traced as they
+are."""
 
 from __future__ import annotations
 
@@ -50,6 +51,31 @@ class Scaled(nn.Module):
         return x + self.scale * F.gelu(self.fc(x))
 
 
+class Counter:
+    """A Python object the blocks read and change: each call scales by one more."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+
+class Counted(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, counter: Counter) -> torch.Tensor:
+        counter.calls += 1
+        return x + counter.calls * F.gelu(self.fc(x))
+
+
+class CountingDecoder(Decoder):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x, counter = self.tok(ids), Counter()
+        for block in self.blocks:
+            x = block(x, counter)
+        return self.head(x)
+
+
 class InPlace(nn.Module):
     """Writes its input in place (not replayable) and an intermediate in place (fine)."""
 
@@ -90,6 +116,8 @@ def _blocks(kind: str, n: int = 4) -> nn.Module:
         return Decoder([Block(16, 2) for _ in range(n)])
     if kind == "different scales":
         return Decoder([Scaled(16, 1.0 + i) for i in range(n)])
+    if kind == "stateful argument":
+        return CountingDecoder([Counted(16) for _ in range(n)])
     if kind == "in-place input":
         return Decoder([InPlace(16) for _ in range(n)])
     if kind == "batch norm":
@@ -160,7 +188,7 @@ def _outputs(captured, args, seed: int = 0) -> list[torch.Tensor]:
 
 
 REPLAYED = ["transformer", "dropout", "nn.TransformerEncoder"]
-AS_THEY_ARE = ["different scales", "in-place input", "batch norm", "hooked"]
+AS_THEY_ARE = ["different scales", "stateful argument", "in-place input", "batch norm", "hooked"]
 
 
 @pytest.mark.parametrize("kind", REPLAYED + AS_THEY_ARE)

@@ -22,8 +22,8 @@ results, and that write none of their inputs. Anything else is traced as before.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
+import functools
 import operator
 import threading
 from collections.abc import Callable, Iterator
@@ -37,7 +37,9 @@ from torch._functorch.pyfunctorch import TransformType, retrieve_all_functorch_i
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from fddp import _model_calls
 from fddp._schedule import _backward_mode, _quick_record
+from fddp._schedule._graph import mutated_inputs
 
 if _quick_record._AVAILABLE:
     from torch._subclasses.fake_tensor import in_kernel_invocation_manager
@@ -51,9 +53,8 @@ if _quick_record._AVAILABLE:
 
     _CAPTURE_MODES = (ProxyTorchDispatchMode, FakeTensorMode, _quick_record.QuickRecord)
 
-_ACTIVE: contextvars.ContextVar[_Session | None] = contextvars.ContextVar(
-    "fddp_repeated_blocks", default=None
-)
+# a capture's templates by the key of the calls they serve (None: not replayable)
+_Templates = dict[Any, "_Template | None"]
 _IN_TEMPLATE = threading.local()  # the template's own trace calls the blocks as they are
 ENABLED = True  # tests compare captures with and without
 
@@ -69,7 +70,7 @@ class _Step:
     node: fx.Node
     target: Any  # an aten OpOverload, or operator.getitem
     result: str  # "item" (getitem), "view", "written" (an in-place op's), or "fresh"
-    written: tuple[int, ...]  # for "written": the positions of the written arguments
+    written: tuple[tuple[int, str], ...]  # for "written": each written argument's place, name
 
 
 @dataclasses.dataclass
@@ -85,31 +86,18 @@ class _Template:
     graph_module: fx.GraphModule  # keeps the nodes' graph alive
 
 
-class _Session:
-    """One capture's templates, by the key of the calls they serve (None: not replayable)."""
-
-    def __init__(self) -> None:
-        self.templates: dict[Any, _Template | None] = {}
-        self.replayed = 0
-
-
-@contextlib.contextmanager
-def session() -> Iterator[None]:
-    """Within the block (fddp's make_fx capture), repeated blocks of :func:`blocks_of` may be
-    replayed."""
-    token = _ACTIVE.set(_Session() if _quick_record._AVAILABLE and ENABLED else None)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+def session() -> contextlib.AbstractContextManager[Any]:
+    """Within the block (fddp's make_fx capture), the models ``fddp.functional`` runs replay
+    their repeated blocks (children of a ``ModuleList`` or ``Sequential`` with at least two
+    identical siblings) where they can."""
+    if not (_quick_record._AVAILABLE and ENABLED):
+        return contextlib.nullcontext()
+    return _model_calls.watching(functools.partial(_replaying, {}))
 
 
 @contextlib.contextmanager
-def replaying(model: nn.Module) -> Iterator[None]:
-    """Within the block, the repeated blocks of ``model`` (children of a ``ModuleList`` or
-    ``Sequential`` with an identical sibling) replay their template where they can."""
-    active = _ACTIVE.get()
-    if active is None or getattr(_IN_TEMPLATE, "on", False):
+def _replaying(templates: _Templates, model: nn.Module) -> Iterator[None]:
+    if getattr(_IN_TEMPLATE, "on", False):
         yield
         return
     patched = []
@@ -118,7 +106,7 @@ def replaying(model: nn.Module) -> Iterator[None]:
             if "forward" in block.__dict__:
                 continue
             original = block.forward
-            block.forward = _replaying_forward(block, original, active)
+            block.forward = _replaying_forward(block, original, templates)
             patched.append(block)
         yield
     finally:
@@ -188,7 +176,7 @@ def _hashable(value: Any) -> Any:
 
 
 def _replaying_forward(
-    block: nn.Module, original: Callable[..., Any], active: _Session
+    block: nn.Module, original: Callable[..., Any], templates: _Templates
 ) -> Callable[..., Any]:
     structure = _structure(block)
 
@@ -197,7 +185,9 @@ def _replaying_forward(
             return original(*args, **kwargs)
         leaves, spec = optree.tree_flatten((args, kwargs))
         tensor_args = [x for x in leaves if isinstance(x, torch.Tensor)]
-        others = tuple(_hashable(x) if not isinstance(x, torch.Tensor) else None for x in leaves)
+        others = [x for x in leaves if not isinstance(x, torch.Tensor)]
+        if not _plain_value(others):  # a cache object, say, whose state the block may change
+            return original(*args, **kwargs)
         state = {
             **dict(block.named_parameters(remove_duplicate=False)),
             **dict(block.named_buffers(remove_duplicate=False)),
@@ -205,19 +195,18 @@ def _replaying_forward(
         names = tuple(state)
         inputs = [*tensor_args, *state.values()]
         try:
-            key = (structure, spec, others, names, tuple(_tensor_key(x) for x in inputs))
+            key = (structure, spec, _hashable(others), names, tuple(map(_tensor_key, inputs)))
             hash(key)
         except (TypeError, _NotReplayable):
             return original(*args, **kwargs)
         tracked = get_proxy_mode().tracer.tensor_tracker  # type: ignore[union-attr]
         if any(tracked.get(_unwrapped(x)) is None for x in inputs):
             return original(*args, **kwargs)
-        if key not in active.templates:
-            active.templates[key] = _template(block, original, spec, leaves, names, inputs)
-        template = active.templates[key]
+        if key not in templates:
+            templates[key] = _template(block, spec, leaves, names, inputs)
+        template = templates[key]
         if template is None:
             return original(*args, **kwargs)
-        active.replayed += 1
         outs = _Replay.apply(_Call(template), *inputs)
         it = iter(outs)
         return optree.tree_unflatten(
@@ -271,7 +260,6 @@ def _unwrapped(x: torch.Tensor) -> torch.Tensor:
 
 def _template(
     block: nn.Module,
-    original: Callable[..., Any],
     spec: Any,
     leaves: list[Any],
     names: tuple[str, ...],
@@ -386,7 +374,8 @@ def _trace_template(
 
 
 def _check(body: list[fx.Node], placeholders: list[fx.Node]) -> None:
-    """Only aten ops with tensor results, none writing a placeholder's storage."""
+    """Only aten ops with tensor results that keep their tensors' metadata, none writing a
+    placeholder's storage."""
     inputs = {_storage(p.meta["val"]) for p in placeholders}
     for node in body:
         if node.op != "call_function":
@@ -403,24 +392,15 @@ def _check(body: list[fx.Node], placeholders: list[fx.Node]) -> None:
         for ret in schema.returns:
             if str(ret.type) not in ("Tensor", "Tensor[]", "List[Tensor]"):
                 raise _NotReplayable(f"{node.target} returns {ret.type}")
-        for arg, value in zip(schema.arguments, node.args):
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                written = value.meta.get("val") if isinstance(value, fx.Node) else None
-                if not isinstance(written, torch.Tensor) or _storage(written) in inputs:
-                    raise _NotReplayable(f"{node.target} writes an input")
-        if any(
-            arg.alias_info is not None and arg.alias_info.is_write and arg.name in node.kwargs
-            for arg in schema.arguments
-        ):
-            raise _NotReplayable(f"{node.target} writes an out= argument")
+        for written in mutated_inputs(node):  # batch norm's running statistics too
+            if _storage(written.meta["val"]) in inputs:
+                raise _NotReplayable(f"{node.target} writes an input")
 
 
 _RESIZES = {
-    op
-    for name in ("resize_", "resize_as_", "set_")
-    for op in (
-        getattr(getattr(torch.ops.aten, name), o) for o in getattr(torch.ops.aten, name).overloads()
-    )
+    getattr(packet, overload)
+    for packet in (torch.ops.aten.resize_, torch.ops.aten.resize_as_, torch.ops.aten.set_)
+    for overload in packet.overloads()
 }
 
 
@@ -500,7 +480,9 @@ def _step(node: fx.Node) -> _Step:
         return _Step(node, op, "view", ())
     if any(r.alias_info is not None and r.alias_info.is_write for r in returns):
         written = tuple(
-            i for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write
+            (i, a.name)
+            for i, a in enumerate(arguments)
+            if a.alias_info is not None and a.alias_info.is_write
         )
         return _Step(node, op, "written", written)
     return _Step(node, op, "fresh", ())
@@ -551,10 +533,10 @@ def _value(step: _Step, fake_mode: FakeTensorMode, value_of: Callable[[fx.Node],
             else (_fresh(val, fake_mode))
         )
     args = fx.node.map_arg(template.args, value_of)
-    if step.result == "written":
-        written = [args[i] for i in step.written]
-        return written[0] if len(template.target._schema.returns) == 1 else written  # type: ignore[union-attr]
     kwargs = fx.node.map_arg(template.kwargs, value_of)
+    if step.result == "written":  # an in-place op, or an out= one, returns what it wrote
+        written = [args[i] if i < len(args) else kwargs[name] for i, name in step.written]
+        return written[0] if len(written) == 1 else written
     base = next(x for x in optree.tree_leaves((args, kwargs)) if isinstance(x, FakeTensor))
     with in_kernel_invocation_manager(fake_mode):
         out = step.target(*args, **kwargs)
