@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import collections
 import contextlib
 import dataclasses
 import inspect
@@ -129,6 +130,72 @@ _CAN_SKIP_TORCH_FN_METADATA = (
 )
 
 
+def fake_inputs(fake_mode: FakeTensorMode, tensors: list[torch.Tensor]) -> list[FakeTensor]:
+    """``fake_mode.from_tensor`` of each tensor, made directly for a plain dense tensor that
+    alone owns its whole storage (a parameter, an optimizer state): ``from_tensor`` describes
+    every tensor in Python, about 0.3 ms each, 0.35 s for a 32-layer model's 1,165 leaves. The
+    converter's memos learn both the tensor and its storage, so a tensor the step closes over
+    that is, or views, one of them gets the same fake storage as from ``from_tensor``."""
+    owners = collections.Counter(_storage(x) for x in tensors)
+    return [
+        _fake_of_plain(fake_mode, x)
+        if _DIRECT_FAKES and owners[_storage(x)] == 1 and _plain(x)
+        else fake_mode.from_tensor(x)
+        for x in tensors
+    ]
+
+
+def _storage(x: torch.Tensor) -> int:
+    try:
+        return x.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # no storage (sparse, a wrapper subclass)
+        return id(x)
+
+
+def _plain(x: torch.Tensor) -> bool:
+    return (
+        type(x) is torch.Tensor
+        and x.layout == torch.strided
+        and x.device.type in ("cpu", "cuda")
+        and not (x.requires_grad or x.is_quantized or x.is_neg() or x.is_conj() or x._is_view())
+        and x.is_contiguous()
+        and x.storage_offset() == 0
+        and x.untyped_storage().nbytes() == x.numel() * x.element_size()
+    )
+
+
+def _fake_of_plain(fake_mode: FakeTensorMode, x: torch.Tensor) -> FakeTensor:
+    converter = fake_mode.fake_tensor_converter
+    found = converter._get_memo(x)
+    if found is not None:
+        return found
+    with torch._C._DisableTorchDispatch():
+        meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
+        fake = FakeTensor(fake_mode, meta, x.device)
+    converter.set_tensor_memo(x, fake)
+    metas = converter.meta_converter
+    metas.storage_memo[metas.describer.get_storage_id(x.untyped_storage())] = fake.untyped_storage()
+    return fake
+
+
+def _direct_fakes_available() -> bool:
+    """The converter internals :func:`_fake_of_plain` fills (torch 2.13-2.15 have them)."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorConverter
+        from torch._subclasses.meta_utils import MetaConverter, MetaTensorDescriber
+    except ImportError:  # pragma: no cover - a torch that moved them
+        return False
+    return (
+        hasattr(FakeTensorConverter, "_get_memo")
+        and hasattr(FakeTensorConverter, "set_tensor_memo")
+        and hasattr(MetaConverter, "set_storage_memo")
+        and hasattr(MetaTensorDescriber, "get_storage_id")
+    )
+
+
+_DIRECT_FAKES = _direct_fakes_available()
+
+
 def _tidy(gm: fx.GraphModule) -> fx.GraphModule:
     """Double waits and dead nodes removed. make_fx builds a lazy graph module: fx writes and
     compiles its code only if it is called, and the code is generated once, after the passes."""
@@ -164,7 +231,7 @@ def trace_with_make_fx(
         return [x for x in out_leaves if isinstance(x, torch.Tensor)]
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = [fake_mode.from_tensor(x) for x, t in zip(leaves, is_tensor) if t]
+    fakes = fake_inputs(fake_mode, [x for x, t in zip(leaves, is_tensor) if t])
     backward = _backward_mode.eager_backward() if fused_backward else contextlib.nullcontext()
     with (
         fake_mode,
