@@ -222,6 +222,46 @@ def test_blocks_that_differ_in_a_plain_attribute_get_templates_of_their_own(monk
         assert torch.equal(a, b)
 
 
+class Squashed(nn.Module):
+    """Its backward reads its output (tanh's derivative) and its input (the weight's)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class Overwriting(Decoder):
+    """Writes each block's output, or its input, in place after the call."""
+
+    def __init__(self, blocks: list[nn.Module], what: str) -> None:
+        super().__init__(blocks)
+        self.what = what
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids) * 1.0
+        for block in self.blocks:
+            y = block(x)
+            (y if self.what == "output" else x).mul_(0.5)
+            x = y
+        return self.head(x)
+
+
+@pytest.mark.parametrize("what", ["output", "input"])
+def test_writing_what_a_replayed_backward_reads_raises_as_autograd_does(what, monkeypatch):
+    """make_fx's autograd refuses a backward that would read a tensor written in place since
+    the forward; a replayed block's backward refuses it too, instead of reading the new
+    values."""
+    fddp.init()
+    torch.manual_seed(0)
+    step, args = _step(Overwriting([Squashed(16) for _ in range(4)], what))
+    for replay in (False, True):
+        with pytest.raises(Exception, match="modified by an inplace operation"):
+            _capture(step, args, monkeypatch, replay=replay)
+
+
 def test_autocast_blocks_are_traced_as_they_are(monkeypatch):
     """The template's thread would not see the caller's autocast: no replay, same graph."""
     fddp.init()

@@ -81,6 +81,10 @@ class _Template:
     cotangents: list[fx.Node]  # placeholders: one per tensor output
     outputs: list[fx.Node]  # the forward's tensor outputs
     grads: list[fx.Node | None]  # per input, None where the input needs no gradient
+    # the inputs and outputs whose storage the backward reads: autograd's version check on
+    # them stops a caller that writes one in place before the backward, as make_fx's would
+    read_inputs: list[int]
+    read_outputs: list[int]
     out_spec: Any
     out_leaves: list[Any]  # the output's leaves, tensors as None
     graph_module: fx.GraphModule  # keeps the nodes' graph alive
@@ -360,16 +364,27 @@ def _trace_template(
     out_leaves = [None if isinstance(x, torch.Tensor) else x for x in box["leaves"]]
     if not all(_plain_value(x) for x in out_leaves):
         raise _NotReplayable("an output leaf that is not a tensor or a plain value")
+    read = {
+        _storage(arg.meta["val"])
+        for step in backward
+        for arg in step.node.all_input_nodes
+        if arg.op != "placeholder" or arg in placeholders[: len(fakes)]
+        if isinstance(arg.meta.get("val"), torch.Tensor)
+    }
     return _Template(
         forward,
         backward,
-        placeholders[: len(fakes)],
-        placeholders[len(fakes) :],
-        outs,
-        grads,
-        box["spec"],
-        out_leaves,
-        gm,
+        inputs=placeholders[: len(fakes)],
+        cotangents=placeholders[len(fakes) :],
+        outputs=outs,
+        grads=grads,
+        read_inputs=[
+            i for i, p in enumerate(placeholders[: len(fakes)]) if _storage(p.meta["val"]) in read
+        ],
+        read_outputs=[j for j, o in enumerate(outs) if _storage(o.meta["val"]) in read],
+        out_spec=box["spec"],
+        out_leaves=out_leaves,
+        graph_module=gm,
     )
 
 
@@ -430,12 +445,19 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.call = inputs[0]
+        call: _Call = inputs[0]
+        ctx.call = call
+        ctx.save_for_backward(
+            *(inputs[1 + i] for i in call.template.read_inputs),
+            *(output[j] for j in call.template.read_outputs),
+        )
 
     @staticmethod
     def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         call: _Call = ctx.call
         template = call.template
+        # unpacking raises if the caller wrote one of them in place after the forward
+        ctx.saved_tensors  # noqa: B018
         tracer = get_proxy_mode().tracer  # type: ignore[union-attr]
         tracked = tracer.tensor_tracker
         interpreter = retrieve_all_functorch_interpreters()[-1]
