@@ -208,7 +208,13 @@ def _view_metas(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor] | No
         and _plain_arguments([*args[1:], *kwargs.values()])
     ):
         return None
-    with in_kernel_invocation_manager(x.fake_mode):  # type: ignore[attr-defined]
+    return kernel_results(func, args, kwargs, x.fake_mode)  # type: ignore[attr-defined]
+
+
+def kernel_results(func: Any, args: tuple, kwargs: dict, fake_mode: Any) -> list[torch.Tensor]:
+    """The meta tensors ``func``'s meta kernel makes of fake arguments (a view's share its
+    input's storage), as FakeTensorMode runs it."""
+    with in_kernel_invocation_manager(fake_mode):
         out = func(*args, **kwargs)
     return list(out) if isinstance(out, (list, tuple)) else [out]
 

@@ -42,7 +42,6 @@ from fddp._schedule import _backward_mode, _quick_record
 from fddp._schedule._graph import mutated_inputs
 
 if _quick_record._AVAILABLE:
-    from torch._subclasses.fake_tensor import in_kernel_invocation_manager
     from torch.fx.experimental.proxy_tensor import (
         ProxyTorchDispatchMode,
         _ProxyTensor,
@@ -106,11 +105,11 @@ def _replaying(templates: _Templates, model: nn.Module) -> Iterator[None]:
         return
     patched = []
     try:
-        for block in _repeated_children(model):
+        for block, structure in _repeated_children(model):
             if "forward" in block.__dict__:
                 continue
             original = block.forward
-            block.forward = _replaying_forward(block, original, templates)
+            block.forward = _replaying_forward(block, structure, original, templates)
             patched.append(block)
         yield
     finally:
@@ -118,7 +117,8 @@ def _replaying(templates: _Templates, model: nn.Module) -> Iterator[None]:
             del block.forward
 
 
-def _repeated_children(model: nn.Module) -> list[nn.Module]:
+def _repeated_children(model: nn.Module) -> list[tuple[nn.Module, Any]]:
+    """Each child that has at least two identical siblings, with its :func:`_structure`."""
     found = []
     for module in model.modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
@@ -129,7 +129,7 @@ def _repeated_children(model: nn.Module) -> list[nn.Module]:
             if key is not None:
                 kinds.setdefault(key, []).append(child)
         # one template costs about two traced blocks: worth it from three
-        found += [child for group in kinds.values() if len(group) >= 3 for child in group]
+        found += [(c, key) for key, group in kinds.items() if len(group) >= 3 for c in group]
     return found
 
 
@@ -180,10 +180,8 @@ def _hashable(value: Any) -> Any:
 
 
 def _replaying_forward(
-    block: nn.Module, original: Callable[..., Any], templates: _Templates
+    block: nn.Module, structure: Any, original: Callable[..., Any], templates: _Templates
 ) -> Callable[..., Any]:
-    structure = _structure(block)
-
     def forward(*args: Any, **kwargs: Any) -> Any:
         if getattr(_IN_TEMPLATE, "on", False) or not _may_replay():
             return original(*args, **kwargs)
@@ -270,7 +268,7 @@ def _template(
     inputs: list[torch.Tensor],
 ) -> _Template | None:
     wants_grad = [x.requires_grad and x.is_floating_point() for x in inputs]
-    metas = [(tuple(x.shape), x.stride(), x.dtype, x.device) for x in _unwrapped_all(inputs)]
+    metas = [(tuple(x.shape), x.stride(), x.dtype, x.device) for x in map(_unwrapped, inputs)]
     n_args = len(inputs) - len(names)
     result: list[Any] = []
 
@@ -288,10 +286,6 @@ def _template(
     thread.join()
     found = result[0]
     return found if isinstance(found, _Template) else None
-
-
-def _unwrapped_all(xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [_unwrapped(x) for x in xs]
 
 
 def _trace_template(
@@ -560,12 +554,10 @@ def _value(step: _Step, fake_mode: FakeTensorMode, value_of: Callable[[fx.Node],
         written = [args[i] if i < len(args) else kwargs[name] for i, name in step.written]
         return written[0] if len(written) == 1 else written
     base = next(x for x in optree.tree_leaves((args, kwargs)) if isinstance(x, FakeTensor))
-    with in_kernel_invocation_manager(fake_mode):
-        out = step.target(*args, **kwargs)
+    metas = _quick_record.kernel_results(step.target, args, kwargs, fake_mode)
     with torch._C._DisableTorchDispatch():
-        if isinstance(out, (list, tuple)):
-            return [FakeTensor(fake_mode, m, base.device) for m in out]
-        return FakeTensor(fake_mode, out, base.device)
+        views = [FakeTensor(fake_mode, m, base.device) for m in metas]
+    return views if isinstance(template.meta["val"], (list, tuple)) else views[0]
 
 
 def _fresh(template_val: torch.Tensor, fake_mode: FakeTensorMode) -> FakeTensor:
