@@ -38,7 +38,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from fddp import _runtime
 from fddp._errors import CaptureError, PrintWhileTracingWarning, UsageError
 from fddp._schedule import _backward_mode, _repeated
-from fddp._schedule._graph import remove_double_waits
+from fddp._schedule._graph import remove_double_waits, storage
 from fddp._schedule._quick_record import QuickRecord
 
 _FDDP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -147,7 +147,7 @@ def fake_inputs(fake_mode: FakeTensorMode, tensors: list[torch.Tensor]) -> list[
 
 def _storage(x: torch.Tensor) -> int:
     try:
-        return x.untyped_storage()._cdata
+        return storage(x)
     except (RuntimeError, NotImplementedError):  # no storage (sparse, a wrapper subclass)
         return id(x)
 

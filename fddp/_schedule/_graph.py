@@ -204,3 +204,11 @@ def remove_double_waits(graph: fx.Graph) -> None:
         if is_wait(node) and is_wait(node.args[0]):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
+
+
+Storage = int  # a storage's address: the graph's values (node.meta) keep every storage alive
+
+
+def storage(t: torch.Tensor) -> Storage:
+    """Which storage ``t`` views: equal for tensors that share memory."""
+    return t.untyped_storage()._cdata

@@ -16,7 +16,7 @@ from typing import cast
 import torch
 from torch import fx
 
-from fddp._schedule._graph import is_collective, is_wait, replace_uses
+from fddp._schedule._graph import Storage, is_collective, is_wait, replace_uses, storage
 
 aten = torch.ops.aten
 
@@ -64,13 +64,6 @@ def _tensors(val: object) -> list[torch.Tensor]:
     return []
 
 
-Storage = int  # a storage's address: the graph's values (node.meta) keep every storage alive
-
-
-def _storage(t: torch.Tensor) -> Storage:
-    return t.untyped_storage()._cdata
-
-
 class _Storages:
     """Which nodes hold (views of) each storage, and the last position any of them is read."""
 
@@ -79,7 +72,7 @@ class _Storages:
         self.last_read: dict[Storage, int] = {}
         self.of_node: dict[fx.Node, list[Storage]] = {}
         for node in graph.nodes:
-            keys = [_storage(t) for t in _tensors(node.meta.get("val"))]
+            keys = [storage(t) for t in _tensors(node.meta.get("val"))]
             self.of_node[node] = keys
             last = max((self.pos[u] for u in node.users), default=self.pos[node])
             for key in keys:
@@ -106,13 +99,13 @@ def _protected(graph: fx.Graph, donated: set[fx.Node]) -> set[Storage]:
     for node in graph.nodes:
         vals = _tensors(node.meta.get("val"))
         if (node.op in ("placeholder", "get_attr") and node not in donated) or is_collective(node):
-            keep.update(_storage(t) for t in vals)
+            keep.update(storage(t) for t in vals)
         if is_wait(node) or is_collective(node):
             for arg in node.all_input_nodes:
-                keep.update(_storage(t) for t in _tensors(arg.meta.get("val")))
+                keep.update(storage(t) for t in _tensors(arg.meta.get("val")))
         if node.op == "output":
             for arg in node.all_input_nodes:
-                keep.update(_storage(t) for t in _tensors(arg.meta.get("val")))
+                keep.update(storage(t) for t in _tensors(arg.meta.get("val")))
     return keep
 
 
@@ -144,7 +137,7 @@ def _disjoint(tensors: list[torch.Tensor]) -> bool:
         if not t.is_contiguous():
             return len(tensors) == 1
         start = t.storage_offset()
-        spans.setdefault(_storage(t), []).append((start, start + t.numel()))
+        spans.setdefault(storage(t), []).append((start, start + t.numel()))
     for ranges in spans.values():
         ranges.sort()
         if any(a_end > b_start for (_, a_end), (b_start, _) in itertools.pairwise(ranges)):

@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from fddp import _model_calls
 from fddp._schedule import _backward_mode, _quick_record
-from fddp._schedule._graph import mutated_inputs
+from fddp._schedule._graph import mutated_inputs, storage
 
 if _quick_record._AVAILABLE:
     from torch.fx.experimental.proxy_tensor import (
@@ -350,8 +350,8 @@ def _trace_template(
     forward, backward = steps[:boundary], steps[boundary:]
     flat_out = list(output.args[0])
     outs, grads = flat_out[: len(probe)], flat_out[len(probe) :]
-    inputs = {_storage(p.meta["val"]) for p in placeholders[: len(fakes)]}
-    if any(not isinstance(o, fx.Node) or _storage(o.meta["val"]) in inputs for o in outs):
+    inputs = {storage(p.meta["val"]) for p in placeholders[: len(fakes)]}
+    if any(not isinstance(o, fx.Node) or storage(o.meta["val"]) in inputs for o in outs):
         raise _NotReplayable("an output that is an input or a view of one")
     if any(g is not None and (not isinstance(g, fx.Node)) for g in grads):
         raise _NotReplayable("a gradient that is not a node")
@@ -359,7 +359,7 @@ def _trace_template(
     if not all(_plain_value(x) for x in out_leaves):
         raise _NotReplayable("an output leaf that is not a tensor or a plain value")
     read = {
-        _storage(arg.meta["val"])
+        storage(arg.meta["val"])
         for step in backward
         for arg in step.node.all_input_nodes
         if arg.op != "placeholder" or arg in placeholders[: len(fakes)]
@@ -373,9 +373,9 @@ def _trace_template(
         outputs=outs,
         grads=grads,
         read_inputs=[
-            i for i, p in enumerate(placeholders[: len(fakes)]) if _storage(p.meta["val"]) in read
+            i for i, p in enumerate(placeholders[: len(fakes)]) if storage(p.meta["val"]) in read
         ],
-        read_outputs=[j for j, o in enumerate(outs) if _storage(o.meta["val"]) in read],
+        read_outputs=[j for j, o in enumerate(outs) if storage(o.meta["val"]) in read],
         out_spec=box["spec"],
         out_leaves=out_leaves,
         graph_module=gm,
@@ -385,7 +385,7 @@ def _trace_template(
 def _check(body: list[fx.Node], placeholders: list[fx.Node]) -> None:
     """Only aten ops with tensor results that keep their tensors' metadata, none writing a
     placeholder's storage."""
-    inputs = {_storage(p.meta["val"]) for p in placeholders}
+    inputs = {storage(p.meta["val"]) for p in placeholders}
     for node in body:
         if node.op != "call_function":
             raise _NotReplayable(f"a {node.op} node")
@@ -402,7 +402,7 @@ def _check(body: list[fx.Node], placeholders: list[fx.Node]) -> None:
             if str(ret.type) not in ("Tensor", "Tensor[]", "List[Tensor]"):
                 raise _NotReplayable(f"{node.target} returns {ret.type}")
         for written in mutated_inputs(node):  # batch norm's running statistics too
-            if _storage(written.meta["val"]) in inputs:
+            if storage(written.meta["val"]) in inputs:
                 raise _NotReplayable(f"{node.target} writes an input")
 
 
@@ -411,10 +411,6 @@ _RESIZES = {
     for packet in (torch.ops.aten.resize_, torch.ops.aten.resize_as_, torch.ops.aten.set_)
     for overload in packet.overloads()
 }
-
-
-def _storage(x: torch.Tensor) -> int:
-    return x.untyped_storage()._cdata
 
 
 # ---- the replay ----
