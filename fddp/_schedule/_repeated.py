@@ -100,9 +100,6 @@ def session() -> contextlib.AbstractContextManager[Any]:
 
 @contextlib.contextmanager
 def _replaying(templates: _Templates, model: nn.Module) -> Iterator[None]:
-    if getattr(_IN_TEMPLATE, "on", False):
-        yield
-        return
     patched = []
     try:
         for block, structure in _repeated_children(model):
@@ -240,10 +237,8 @@ def _may_replay() -> bool:
 
 
 def _tensor_key(x: torch.Tensor) -> tuple:
-    level = 0
-    while _functorch.is_functorch_wrapped_tensor(x):
-        x = _functorch.get_unwrapped(x)
-        level += 1
+    level = _functorch.maybe_get_level(x)
+    x = _unwrapped(x)
     if type(x) is not FakeTensor or x.constant is not None:
         raise _NotReplayable("not a plain fake tensor")
     if not all(type(s) is int for s in (*x.shape, *x.stride())):
