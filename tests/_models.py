@@ -1,15 +1,19 @@
-"""Small seeded models and data for the data_parallel tests: MLP, CNN with BatchNorm, decoder."""
+"""Small seeded models and data for the data_parallel tests: MLP, CNN with BatchNorm, decoder;
+and the capture of a step as data_parallel's make_fx path makes it."""
 
 from __future__ import annotations
 
 import itertools
 
+import optree
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import fddp
 import fddp.optim as optim
+from fddp import _axes, _collectives
+from fddp._schedule._capture import Captured, capture
 
 
 def mlp(sizes: tuple[int, ...], *, bias: bool = True, seed: int = 0) -> nn.Sequential:
@@ -159,3 +163,12 @@ def image_batch(step: int, rows: int, classes: int = 5) -> dict:
 def token_batch(step: int, rows: int, length: int = 12, vocab: int = 32) -> torch.Tensor:
     g = torch.Generator().manual_seed(3000 + step)
     return torch.randint(0, vocab, (rows, length), generator=g)
+
+
+def captured_step(step, args: tuple) -> Captured:
+    """``step(*args)`` captured as ``data_parallel`` captures it (make_fx first, the fused
+    backward, pmean over a traced "data" axis), before scheduling."""
+    tensors = [x for x in optree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+    with _axes.bind(_collectives.process_axis("data", None, traced=True)):
+        captured, _ = capture(step, args, tensors, fused_backward=True)
+    return captured

@@ -4,14 +4,13 @@ where arguments alias each other or the step closes over a view of one of them."
 
 from __future__ import annotations
 
-import optree
 import pytest
 import torch
+from _models import captured_step
 from test_quick_record import _decoder_step, _described
 
 import fddp
 import fddp.optim as optim
-from fddp import _axes, _collectives
 from fddp._schedule import _capture
 
 
@@ -26,9 +25,7 @@ def _graph(step, args, monkeypatch, *, direct: bool):
     with monkeypatch.context() as m:
         m.setattr(_capture, "_DIRECT_FAKES", direct)
         m.setattr(_capture, "_fake_of_plain", counted)
-        tensors = [x for x in optree.tree_leaves(args) if isinstance(x, torch.Tensor)]
-        with _axes.bind(_collectives.process_axis("data", None, traced=True)):
-            captured, _ = _capture.capture(step, args, tensors, fused_backward=True)
+        captured = captured_step(step, args)
     return captured.graph.graph, len(made)
 
 

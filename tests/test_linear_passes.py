@@ -16,10 +16,9 @@ import optree
 import pytest
 import torch
 import torch.fx.graph as fx_graph
-from _models import mlp_step, regression_batch
+from _models import captured_step, mlp_step, regression_batch
 
 import fddp.optim as optim
-from fddp import _axes, _collectives
 from fddp._bucket_policy import CapPolicy
 from fddp._schedule import (
     _backend,
@@ -32,7 +31,6 @@ from fddp._schedule import (
     _reinplace,
     _replication,
 )
-from fddp._schedule._capture import capture
 
 PASSES = {
     _replication: ["dependencies"],
@@ -52,9 +50,7 @@ def _captured(depth: int, opt):
     step, params = mlp_step(opt, sizes)
     args = (params, opt.init(params), regression_batch(0, 4, sizes[0], sizes[-1]))
     tensors = [x for x in optree.tree_leaves(args) if isinstance(x, torch.Tensor)]
-    with _axes.bind(_collectives.process_axis("data", None, traced=True)):
-        captured, _ = capture(step, args, tensors, fused_backward=True)
-    return captured, len(tensors)
+    return captured_step(step, args), len(tensors)
 
 
 def _visits(depth: int, opt, monkeypatch) -> tuple[int, collections.Counter]:

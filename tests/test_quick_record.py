@@ -9,13 +9,18 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
-from _models import mlp_step, next_token_loss, regression_batch, tiny_decoder, token_batch
+from _models import (
+    captured_step,
+    mlp_step,
+    next_token_loss,
+    regression_batch,
+    tiny_decoder,
+    token_batch,
+)
 
 import fddp
 import fddp.optim as optim
-from fddp import _axes, _collectives
 from fddp._schedule import _quick_record
-from fddp._schedule._capture import capture
 
 
 def _graph(step, args, monkeypatch, *, quick: bool):
@@ -32,9 +37,7 @@ def _graph(step, args, monkeypatch, *, quick: bool):
         m.setattr(_quick_record, "_record", counted)
         if not quick:
             m.setattr(_quick_record, "_RULES", {})
-        tensors = [x for x in optree.tree_leaves(args) if isinstance(x, torch.Tensor)]
-        with _axes.bind(_collectives.process_axis("data", None, traced=True)):
-            captured, _ = capture(step, args, tensors, fused_backward=True)
+        captured = captured_step(step, args)
     assert captured.graph is not None
     return captured.graph.graph, sum(recorded)
 
@@ -148,9 +151,7 @@ def test_quick_path_leaves_uncovered_arguments_to_make_fx(monkeypatch):
 
     monkeypatch.setattr(_quick_record, "_record", noted)
     step, args = _odd_leaves_step()
-    tensors = [x for x in optree.tree_leaves(args) if isinstance(x, torch.Tensor)]
-    with _axes.bind(_collectives.process_axis("data", None, traced=True)):
-        capture(step, args, tensors, fused_backward=True)
+    captured_step(step, args)
     left = {name for name, quick in taken if not quick}
     # the integer psum's all-reduce, the bfloat16 group's foreach ops (a float32 scalar)
     assert "_c10d_functional.all_reduce.default" in left

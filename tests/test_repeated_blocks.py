@@ -12,14 +12,12 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
-from _models import Block, next_token_loss, token_batch
+from _models import Block, captured_step, next_token_loss, token_batch
 from torch import nn
 
 import fddp
 import fddp.optim as optim
-from fddp import _axes, _collectives
 from fddp._schedule import _repeated
-from fddp._schedule._capture import capture
 
 
 class Decoder(nn.Module):
@@ -168,9 +166,7 @@ def _capture(step, args, monkeypatch, *, replay: bool):
     with monkeypatch.context() as m:
         m.setattr(_repeated, "ENABLED", replay)
         m.setattr(_repeated, "_Call", counted)
-        tensors = [x for x in optree.tree_leaves(args) if isinstance(x, torch.Tensor)]
-        with _axes.bind(_collectives.process_axis("data", None, traced=True)):
-            captured, _ = capture(step, args, tensors, fused_backward=True)
+        captured = captured_step(step, args)
     assert captured.graph is not None
     return captured, len(replayed)
 
