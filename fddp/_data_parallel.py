@@ -543,7 +543,10 @@ def _data_parallel(
     check_replicas: bool | Sequence[int],
     cache_size: int,
     overlap_steps: bool,
+    built_with: Sequence[Line] = (),
 ) -> DataParallelStep:
+    """``data_parallel``; ``built_with``: more labelled lines on how the step was built (a
+    transform's own options), compared across ranks on every call before data_parallel's."""
     if (bucket_cap_mb is not None and bucket_cap_mb <= 0) or first_bucket_cap_mb <= 0:
         raise ValueError("bucket_cap_mb and first_bucket_cap_mb must be positive (MiB).")
     if cache_size < 1:
@@ -566,6 +569,7 @@ def _data_parallel(
             "the step",
             f"{getattr(step_fn, '__module__', '')}.{getattr(step_fn, '__qualname__', '')}",
         ),
+        *built_with,
         ("option axis_name", repr(axis_name)),
         ("option bucket_cap_mb", repr(bucket_cap_mb)),
         ("option first_bucket_cap_mb", repr(first_bucket_cap_mb)),
