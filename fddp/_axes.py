@@ -56,6 +56,17 @@ def bound_names() -> list[str]:
     return [a.name for a in reversed(_bound)]
 
 
+def bound_axes() -> list[Axis]:
+    """The axes bound here, innermost first, one per name (the one the name means here)."""
+    seen: set[str] = set()
+    out = []
+    for axis in reversed(_bound):
+        if axis.name not in seen:
+            seen.add(axis.name)
+            out.append(axis)
+    return out
+
+
 def find(name: str) -> Axis | None:
     """The innermost axis bound to ``name``, or None if no transform binds it here."""
     for axis in reversed(_bound):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.fx import traceback as fx_traceback
 
-from fddp import _axes, _gathered
+from fddp import _axes, _gathered, _mesh, _runtime
 from fddp._annotations import LEAF_PATH, PARAM_GATHER, PARAM_GATHER_KEPT
 from fddp._axes import DEFAULT_AXIS
 from fddp._collectives import (
@@ -38,9 +39,9 @@ from fddp._collectives import (
     named_axis,
     process_axis,
 )
-from fddp._errors import UsageValueError
+from fddp._errors import RankFailureError, UsageValueError
 from fddp._tree import path_str, tensor_leaves
-from fddp._zero import Bucket, _layout, own_shard
+from fddp._zero import Bucket, Members, ShardedState, _layout, members_of, own_shard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,9 @@ class Layout:
         reshard_after_forward: gather again for the backward pass (True) or keep the gathered
             parameters from their first use to their last (False).
         axis_name: the axis the shards are cut over (a step gathers them over it).
+        ranks: the process group they were cut over: its ranks in the group's order, global
+            numbering (None: over ``fddp.vmap``'s replicas). Not in the repr, which ranks
+            compare: under hybrid sharding each pair cuts over its own pair.
     """
 
     tree: optree.PyTreeSpec
@@ -68,6 +72,7 @@ class Layout:
     comm_dtype: torch.dtype | None
     reshard_after_forward: bool
     axis_name: str = DEFAULT_AXIS
+    ranks: tuple[int, ...] | None = None
 
     def __repr__(self) -> str:  # the step's signature compares it across ranks
         return (
@@ -169,6 +174,7 @@ def shard_params(
             comm_dtype,
             reshard_after_forward,
             axis_name,
+            _ranks(members_of(axis_name)),
         )
         return ShardedParams(tuple(_own_shards(leaves, layout, axis_name)), layout)
 
@@ -186,18 +192,79 @@ def _own_shards(leaves: list[torch.Tensor], layout: Layout, axis_name: str) -> l
     return [own_shard(leaves, b, layout.replicas, axis_name).clone() for b in layout.buckets]
 
 
-def _check_replicas(sharded: ShardedParams, axis_name: str) -> None:
+def _ranks(members: Members | None) -> tuple[int, ...] | None:
+    return None if members is None else members.ranks
+
+
+def _check_replicas(sharded: ShardedParams, axis_name: str, where: str) -> None:
     if axis_size(axis_name) != sharded.layout.replicas:
-        raise ValueError(
-            f"these parameters are sharded over {sharded.layout.replicas} replicas, but axis "
-            f"{axis_name!r} has {axis_size(axis_name)}: reshard them through a checkpoint "
-            "(fddp.save_sharded / fddp.load_sharded) or fddp.full_params."
+        raise UsageValueError(
+            f"{where}: these parameters are sharded over {sharded.layout.replicas} replicas, "
+            f"but axis {axis_name!r} has {axis_size(axis_name)} here. {_MOVE}"
         )
+
+
+def _check_group(layout: Layout, axis_name: str, where: str) -> None:
+    """Refuse ``layout`` where ``axis_name`` is bound to a process group other than the one
+    it was cut over (a piece gathered from rank ``i`` of another group is another piece)."""
+    here = _ranks(members_of(axis_name))
+    if layout.ranks is None or here is None or here == layout.ranks:
+        return
+    raise UsageValueError(
+        f"{where}: these parameters were sharded over the group of ranks {layout.ranks}, but "
+        f"axis {axis_name!r} is bound to the group of ranks {here} here: each rank would "
+        f"assemble its parameters from other ranks' pieces. {_MOVE}"
+    )
+
+
+_MOVE = (
+    "Run the step over the group they were sharded over, or shard them over the step's group "
+    "(fddp.shard_params(params, axis_name, group=...) with the group the step's data_parallel "
+    "binds that axis to); to move sharded parameters to another group, take "
+    "fddp.full_params(sharded) (it gathers over their own group) and shard that, or go through "
+    "fddp.save_sharded / fddp.load_sharded."
+)
+
+
+def cut_ranks(tree: Any) -> tuple[int, ...] | None:
+    """The ranks (global numbering, in the group's order) of the process group over which the
+    sharded layouts in ``tree`` were cut: its ``ShardedParams`` and ``shard_state``'s
+    ``ShardedState``. None when it holds none that recorded one (made under ``fddp.vmap``).
+
+    Raises:
+        UsageValueError: if it holds layouts cut over different groups.
+    """
+    paths, leaves, _ = optree.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, (ShardedParams, ShardedState))
+    )
+    found: dict[tuple[int, ...], str] = {}
+    for path, leaf in zip(paths, leaves):
+        ranks = None
+        if isinstance(leaf, ShardedParams):
+            ranks = leaf.layout.ranks
+        elif isinstance(leaf, ShardedState):
+            ranks = _ranks(leaf.members)
+        if ranks is not None:
+            found.setdefault(ranks, path_str(path) or "<root>")
+    if len(found) > 1:
+        listed = "; ".join(f"{where} over ranks {ranks}" for ranks, where in found.items())
+        raise UsageValueError(
+            f"this tree holds sharded layouts cut over different process groups ({listed}); "
+            "a tree is saved, loaded or resharded over one group. Keep the layouts of each "
+            "group in a tree of their own."
+        )
+    return next(iter(found), None)
+
+
+_FULL_PARAMS = (
+    "fddp.full_params (a collective: every rank of the group the parameters are sharded over "
+    "calls it, with rank0_only=True too)"
+)
 
 
 def full_params(
     sharded: ShardedParams,
-    axis_name: str = DEFAULT_AXIS,
+    axis_name: str | None = None,
     *,
     group: dist.ProcessGroup | None = None,
     rank0_only: bool = False,
@@ -209,17 +276,54 @@ def full_params(
     group) gathers the shards to the group's rank 0 only, which returns the tree; the other
     ranks send their shards and return None, holding no full bucket at any time (FSDP's
     ``rank0_only`` state dicts).
+
+    A collective over the group the parameters were sharded over (their layout records it;
+    under hybrid sharding, this rank's shard group): every rank of it calls ``full_params``.
+    ``axis_name`` (default: the one they were sharded over) and ``group`` choose another
+    binding, which must be a group of the same ranks; inside a transform, ``axis_name`` is
+    the axis bound there.
+
+    Raises:
+        UsageValueError: if ``group`` (or the bound axis) is not the group they were cut over.
+        RankFailureError: if another rank of the group died or did not call it in time.
     """
     if not isinstance(sharded, ShardedParams):
         raise TypeError(
             f"full_params takes the ShardedParams made by fddp.shard_params, not a "
             f"{type(sharded).__name__}."
         )
-    with _bound(axis_name, group):
-        _check_replicas(sharded, axis_name)
-        if rank0_only:
-            return _on_rank0(sharded, axis_name)
-        return _unpacked(sharded, axis_name, annotate=None)
+    layout = sharded.layout
+    name = layout.axis_name if axis_name is None else axis_name
+    start = time.monotonic()
+    try:
+        with _own_group(layout, name, group):
+            _check_replicas(sharded, name, "fddp.full_params")
+            _check_group(layout, name, "fddp.full_params")
+            if rank0_only:
+                return _on_rank0(sharded, name)
+            return _unpacked(sharded, name, annotate=None)
+    except RuntimeError as e:
+        if isinstance(e, RankFailureError) or not _runtime.is_peer_failure(e):
+            raise
+        raise _runtime.peer_failure(e, _FULL_PARAMS, time.monotonic() - start) from e
+
+
+def _own_group(
+    layout: Layout, axis_name: str, group: dist.ProcessGroup | None
+) -> contextlib.AbstractContextManager:
+    """``axis_name`` bound to ``group``, else as a transform binds it here, else to the group
+    ``layout`` was cut over."""
+    if group is not None or _axes.find(axis_name) is not None or layout.ranks is None:
+        return _bound(axis_name, group)
+    _runtime.ensure_group()
+    own = _mesh.group_over(layout.ranks)
+    if own is None:
+        raise UsageValueError(
+            f"fddp.full_params: these parameters were sharded over the group of ranks "
+            f"{layout.ranks}, which is not a process group of this rank (destroyed, or made in "
+            "another run); pass group=, a group of those ranks."
+        )
+    return _bound(axis_name, own)
 
 
 def _on_rank0(sharded: ShardedParams, axis_name: str) -> Any:
@@ -352,7 +456,8 @@ def gathering(
     layouts = {n: args[n].layout for n in positions}
     skeletons = {n: _skeleton(layout) for n, layout in layouts.items()}
     for n in positions:  # before tracing: every rank raises it alike
-        _check_replicas(args[n], layouts[n].axis_name)
+        _check_replicas(args[n], layouts[n].axis_name, f"{where}, argument {n}")
+        _check_group(layouts[n], layouts[n].axis_name, f"{where}, argument {n}")
 
     def sharded_step(*call_args: Any) -> Any:
         with _gathered.recording():

@@ -30,7 +30,7 @@ import optree
 import torch
 import torch.nn.functional as F
 
-from fddp import _bucket_policy, _gathered
+from fddp import _axes, _bucket_policy, _gathered, _mesh
 from fddp._axes import DEFAULT_AXIS
 from fddp._collectives import (
     ProcessAxis,
@@ -41,8 +41,30 @@ from fddp._collectives import (
     pmean,
     psum_scatter,
 )
+from fddp._errors import UsageValueError
 from fddp._optim import call_update, takes_shard_axes
 from fddp._types import GradientTransformation, OptState, Params, Updates
+
+
+@dataclasses.dataclass(frozen=True)
+class Members:
+    """The process group a sharded layout was cut over: its ranks in the group's order, in
+    global numbering. A pytree node without leaves: it travels in the tree's structure."""
+
+    ranks: tuple[int, ...]
+
+    def __repr__(self) -> str:
+        # A step's argument tree is compared across its ranks, and under hybrid sharding each
+        # pair cuts its layout over its own pair: only the group's size is the same everywhere.
+        return f"Members({len(self.ranks)} ranks)"
+
+
+optree.register_pytree_node(
+    Members,
+    lambda m: ((), m),  # itself as the node's metadata, shown by its repr
+    lambda m, _: m,
+    namespace=optree.registry.__GLOBAL_NAMESPACE,  # the namespace fddp flattens in
+)
 
 
 class ShardedState(NamedTuple):
@@ -54,10 +76,13 @@ class ShardedState(NamedTuple):
         pieces: one int64 row per bucket, ``(shard_length, offset, length, bucket_size)``:
             this replica's valid elements are ``length`` elements at ``offset`` of a bucket
             of ``bucket_size`` elements (the rest of the shard is padding).
+        members: the process group the state was cut over (None: over ``fddp.vmap``'s
+            replicas, or not recorded); ``update`` refuses it over another group.
     """
 
     inner: OptState
     pieces: torch.Tensor
+    members: Members | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +174,42 @@ def own_shard(
     return _own_chunk(_flat_bucket(leaves, bucket, replicas), bucket, axis_index(axis_name))
 
 
+def members_of(axis_name: str) -> Members | None:
+    """The process group ``axis_name`` is bound to here (None: not a process group)."""
+    axis = named_axis(axis_name)
+    return Members(_mesh.ranks_of(axis.group_name)) if isinstance(axis, ProcessAxis) else None
+
+
+def _check_hybrid(axis_name: str, replicate_axis: str | None, shard: Members) -> None:
+    """Refuse a ``replicate_axis`` that is not orthogonal to ``axis_name`` and, without one, a
+    step that has such an axis (hybrid sharding that would not average across the groups)."""
+    own = set(shard.ranks)
+    if replicate_axis is not None:
+        replicate = members_of(replicate_axis)
+        if replicate is not None and len(own & set(replicate.ranks)) != 1:
+            raise UsageValueError(
+                f"shard_state(axis_name={axis_name!r}, replicate_axis={replicate_axis!r}): the "
+                f"groups meet in ranks {sorted(own & set(replicate.ranks))} (shard group "
+                f"{shard.ranks}, replicate group {replicate.ranks}); a replicate group holds one "
+                f"rank of each {axis_name!r} group (with pairs {{0, 1}} and {{2, 3}}: "
+                "{0, 2} and {1, 3}), neither the whole world nor the shard group itself. Pass "
+                "those groups in data_parallel(..., axes=...)."
+            )
+        return
+    for axis in _axes.bound_axes():
+        if axis.name == axis_name or not isinstance(axis, ProcessAxis) or axis.size() < 2:
+            continue
+        other = set(_mesh.ranks_of(axis.group_name))
+        if len(own & other) == 1:
+            raise UsageValueError(
+                f"shard_state(axis_name={axis_name!r}) in a step whose axis {axis.name!r} "
+                f"(ranks {tuple(sorted(other))}) crosses the shard groups (this one: "
+                f"{shard.ranks}): each {axis_name!r} group would train alone and the groups "
+                f"drift apart. For hybrid sharding pass replicate_axis={axis.name!r} to "
+                "shard_state, which averages each gradient shard across the groups."
+            )
+
+
 def bucket_piece(bucket: Bucket, rank: int) -> tuple[int, int, int, int]:
     """``(shard_length, offset, length, bucket_size)``: replica ``rank``'s valid elements of
     ``bucket`` are ``length`` elements at ``offset`` (the rest of its shard is padding)."""
@@ -221,13 +282,23 @@ def shard_state(
         raise ValueError(f"shard_state: bucket_cap_mb must be positive; got {bucket_cap_mb}.")
     cap_bytes = None if bucket_cap_mb is None else max(1, int(bucket_cap_mb * 2**20))
 
+    def members() -> Members | None:
+        """The group ``axis_name`` is bound to, checked as a hybrid mesh (not under Dynamo,
+        which would have to trace the lookup; the step's signature holds the group)."""
+        if torch.compiler.is_compiling():
+            return None
+        found = members_of(axis_name)
+        if found is not None:
+            _check_hybrid(axis_name, replicate_axis, found)
+        return found
+
     def init(params: Params) -> ShardedState:
         leaves = optree.tree_leaves(params, none_is_leaf=False)
         n = axis_size(axis_name)
         buckets = _layout(leaves, n, cap_bytes)
         pieces = _pieces(buckets, n, axis_index(axis_name).to(_device(leaves)))
         return ShardedState(
-            inner.init([own_shard(leaves, b, n, axis_name) for b in buckets]), pieces
+            inner.init([own_shard(leaves, b, n, axis_name) for b in buckets]), pieces, members()
         )
 
     takes = takes_shard_axes(inner)
@@ -244,6 +315,7 @@ def shard_state(
                 f"shard_state's update got a {type(state).__name__} as its state; pass the "
                 "state made by this optimizer's init (a ShardedState)."
             )
+        _check_members(state.members, members(), axis_name)
         leaves, spec = optree.tree_flatten(updates, none_is_leaf=False)
         n = axis_size(axis_name)
         buckets = _layout(leaves, n, cap_bytes)
@@ -271,7 +343,9 @@ def shard_state(
                 out[i] = view
             if found is not None:  # fully sharded parameters: the update of their shard
                 _gathered.note(views, found.layout, found.bucket, "updates", shard)
-        return optree.tree_unflatten(spec, out), ShardedState(inner_state, state.pieces)
+        return optree.tree_unflatten(spec, out), ShardedState(
+            inner_state, state.pieces, state.members
+        )
 
     def _reduce_scatter_mean(flat: torch.Tensor, n: int) -> torch.Tensor:
         # the division runs on the 1/N shard; a wire dtype narrower than the gradients' is
@@ -282,6 +356,18 @@ def shard_state(
         return psum_scatter(flat, axis_name, tiled=True) / n
 
     return GradientTransformation(init, update)
+
+
+def _check_members(cut: Members | None, here: Members | None, axis_name: str) -> None:
+    if cut is None or here is None or cut == here:
+        return
+    raise UsageValueError(
+        f"shard_state's update: this state was cut over the group of ranks {cut.ranks}, but "
+        f"axis {axis_name!r} is bound to ranks {here.ranks} here; its shards would be updated "
+        "with other ranks' gradients. Run the update over the group the state was made on "
+        "(init it where the step binds the axis: the same group= or axes=), or move the state "
+        "to this group through fddp.save_sharded and fddp.load_sharded."
+    )
 
 
 def _gathered_bucket(leaves: list[torch.Tensor], bucket: Bucket) -> _gathered.Piece | None:
