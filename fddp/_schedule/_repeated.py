@@ -21,11 +21,17 @@ results, and that write none of their inputs. Anything else is traced as before.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
+import contextvars
 import dataclasses
+import dis
+import enum
 import functools
 import operator
+import struct
 import threading
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -95,18 +101,25 @@ def session() -> contextlib.AbstractContextManager[Any]:
     identical siblings) where they can."""
     if not (_quick_record._AVAILABLE and ENABLED):
         return contextlib.nullcontext()
-    return _model_calls.watching(functools.partial(_replaying, {}))
+    return _model_calls.watching(functools.partial(_replaying, _Session()))
+
+
+@dataclasses.dataclass
+class _Session:
+    templates: _Templates = dataclasses.field(default_factory=dict)
+    # what the blocks of one structure read besides their tensors (None: not replayable)
+    reads: dict[Any, _Reads | None] = dataclasses.field(default_factory=dict)
 
 
 @contextlib.contextmanager
-def _replaying(templates: _Templates, model: nn.Module) -> Iterator[None]:
+def _replaying(session: _Session, model: nn.Module) -> Iterator[None]:
     patched = []
     try:
         for block, structure in _repeated_children(model):
             if "forward" in block.__dict__:
                 continue
             original = block.forward
-            block.forward = _replaying_forward(block, structure, original, templates)
+            block.forward = _replaying_forward(block, structure, original, session)
             patched.append(block)
         yield
     finally:
@@ -171,21 +184,331 @@ def _structure(block: nn.Module) -> Any:
 
 
 def _hashable(value: Any) -> Any:
+    """A key equal for equal values of one type only: floats by their bits (``0.0`` is not
+    ``-0.0``, a NaN is itself)."""
     if isinstance(value, (tuple, list)):
         return (type(value), tuple(_hashable(v) for v in value))
+    if isinstance(value, float):
+        return (type(value), struct.pack("<d", value))
+    if isinstance(value, complex):
+        return (type(value), struct.pack("<dd", value.real, value.imag))
+    if isinstance(value, frozenset):
+        return (type(value), frozenset(_hashable(v) for v in value))
     return (type(value), value)
 
 
+# ---- what a block's code reads besides its tensors and attributes ----
+
+# code that reads no state a replay could get wrong: its functions are ops, its classes make
+# new objects (a torch.Generator kept in a global is an object, refused as one)
+_TRUSTED = frozenset(
+    {
+        "torch",
+        "fddp",
+        "math",
+        "cmath",
+        "operator",
+        "_operator",
+        "functools",
+        "itertools",
+        "typing",
+        "builtins",
+        "warnings",
+        "_warnings",
+    }
+)
+_IMMUTABLE = (
+    int,
+    float,
+    complex,
+    bool,
+    str,
+    bytes,
+    type(None),
+    type(Ellipsis),
+    range,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
+# builtins that write or look up attributes and namespaces by a name the code computes, or
+# have effects a replay would run once
+_DENIED_BUILTINS = frozenset(
+    {
+        "setattr",
+        "delattr",
+        "getattr",
+        "hasattr",
+        "vars",
+        "globals",
+        "locals",
+        "exec",
+        "eval",
+        "compile",
+        "__import__",
+        "open",
+        "input",
+        "print",
+        "breakpoint",
+    }
+)
+_DENIED_NAMES = frozenset(
+    {
+        "__dict__",
+        "__setattr__",
+        "__delattr__",
+        "__setstate__",
+        "__setitem__",
+        "__delitem__",
+        "add_module",
+        "train",
+        "eval",
+        "requires_grad_",
+        "zero_grad",
+        "load_state_dict",
+        "set_extra_state",
+        "_apply",
+        "share_memory",
+    }
+)
+_WRITES = frozenset({"STORE_ATTR", "DELETE_ATTR", "STORE_GLOBAL", "DELETE_GLOBAL"})
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Place:
+    """A value a block's code reads: a name in a namespace (a module's globals, builtins), in
+    a class (looked up along its MRO) or a closure cell."""
+
+    kind: str  # "dict", "class" or "cell"
+    where: Any
+    name: str
+    seen: Any  # the value the code was analysed with
+    plain: bool  # immutable: keyed by value; else it must stay the object analysed
+
+    def read(self) -> Any:
+        if self.kind == "cell":
+            return self.where.cell_contents
+        if self.kind == "class":
+            return _class_attribute(self.where, self.name)[1]
+        return self.where[self.name]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reads:
+    places: tuple[_Place, ...]
+
+    def values(self) -> tuple[Any, ...]:
+        """The plain values read now, for the key; raises when an object read differs from
+        the one analysed."""
+        found = []
+        for place in self.places:
+            value = place.read()
+            if place.plain:
+                if not _immutable(value):
+                    raise _NotReplayable(f"{place.name} is no longer a plain value")
+                found.append(_hashable(value))
+            elif value is not place.seen:
+                raise _NotReplayable(f"{place.name} is not what was analysed")
+        return tuple(found)
+
+
+def _reads_of(block: nn.Module) -> _Reads | None:
+    """What ``block``'s forward may read besides its tensors and attributes, or None where it
+    may write state (attributes, globals, closure cells), read mutable state (a list, a dict, a
+    ``ContextVar``, an object's attributes) or do what this cannot follow."""
+    walk = _Walk()
+    try:
+        for module in block.modules():
+            walk.value(type(module), None)
+            for value in vars(module).values():
+                if callable(value) and not isinstance(value, nn.Module):
+                    walk.value(value, None)
+        walk.names.update(("forward", "__call__"))
+        walk.run()
+    except _NotReplayable:
+        return None
+    return _Reads(tuple(walk.places.values()))
+
+
+def _argument_reads(others: list[Any], session: _Session) -> tuple[Any, ...]:
+    """The reads of the functions among a call's plain arguments (raises where one is not
+    replayable)."""
+    found = []
+    for value in others:
+        if callable(value):
+            if value not in session.reads:
+                walk = _Walk()
+                try:
+                    walk.value(value, None)
+                    walk.run()
+                    session.reads[value] = _Reads(tuple(walk.places.values()))
+                except _NotReplayable:
+                    session.reads[value] = None
+            reads = session.reads[value]
+            if reads is None:
+                raise _NotReplayable(f"{value} is not replayable")
+            found.append(reads.values())
+    return tuple(found)
+
+
+class _Walk:
+    """A conservative reading of Python code: every function it may call (found by name, as
+    the code's globals, closure cells and attribute names resolve in the classes and modules
+    it reaches), what those read, and whether any writes."""
+
+    def __init__(self) -> None:
+        self.places: dict[tuple[str, int, str], _Place] = {}
+        self.names: set[str] = set()  # attribute names the code loads
+        self.namespaces: dict[int, Any] = {}  # user classes and modules, by id
+        self.pending: list[types.FunctionType] = []
+        self.done: set[types.CodeType] = set()
+        self.resolved: set[tuple[int, str]] = set()
+
+    def run(self) -> None:
+        while True:
+            while self.pending:
+                self.function(self.pending.pop())
+            if self.names & _DENIED_NAMES:
+                raise _NotReplayable(f"uses {sorted(self.names & _DENIED_NAMES)}")
+            todo = [
+                (space, name)
+                for space in list(self.namespaces.values())
+                for name in sorted(self.names)
+                if (id(space), name) not in self.resolved
+            ]
+            if not todo and not self.pending:
+                return
+            for space, name in todo:
+                self.resolved.add((id(space), name))
+                self.attribute(space, name)
+
+    def attribute(self, space: Any, name: str) -> None:
+        if isinstance(space, type):
+            owner, value = _class_attribute(space, name)
+            if owner is None or _trusted(owner.__module__):
+                return
+            self.value(value, _place("class", space, name, value))
+        elif name in vars(space):
+            namespace = vars(space)
+            self.value(namespace[name], _place("dict", namespace, name, namespace[name]))
+
+    def value(self, value: Any, place: _Place | None) -> None:
+        """Note ``value`` (read at ``place``), or raise if a replay cannot rely on it."""
+        if place is not None:
+            self.places[(place.kind, id(place.where), place.name)] = place
+        if _immutable(value) or isinstance(value, enum.Enum):
+            return
+        if isinstance(value, types.ModuleType):
+            if not _trusted(value.__name__):
+                self.namespaces[id(value)] = value
+        elif isinstance(value, type):
+            for klass in value.__mro__:
+                if not _trusted(klass.__module__):
+                    self.namespaces[id(klass)] = klass
+        elif isinstance(value, types.FunctionType):
+            if hasattr(value, "__wrapped__"):  # a decorator's wrapper
+                self.value(value.__wrapped__, None)
+            if not _trusted(value.__module__):
+                self.pending.append(value)
+        elif isinstance(value, (staticmethod, classmethod)):
+            self.value(value.__func__, None)
+        elif isinstance(value, property):
+            self.value(value.fget, None)
+        elif isinstance(value, types.MethodType):
+            if not isinstance(value.__self__, type):
+                raise _NotReplayable(f"{value} is a method bound to an object")
+            self.value(value.__self__, None)
+            self.value(value.__func__, None)
+        elif isinstance(value, types.BuiltinFunctionType):
+            owner = value.__self__
+            if owner is builtins and value.__name__ in _DENIED_BUILTINS:
+                raise _NotReplayable(f"calls {value.__name__}")
+            if not (owner is None or isinstance(owner, types.ModuleType) or _immutable(owner)):
+                raise _NotReplayable(f"{value} is a method bound to an object")
+        elif isinstance(value, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
+            return
+        else:
+            raise _NotReplayable(f"reads a {type(value).__name__}")
+
+    def function(self, function: types.FunctionType) -> None:
+        code = function.__code__
+        if code in self.done:
+            return
+        for default in (*(function.__defaults__ or ()), *(function.__kwdefaults__ or {}).values()):
+            self.value(default, None)
+        for name, cell in zip(code.co_freevars, function.__closure__ or ()):
+            try:
+                content = cell.cell_contents
+            except ValueError:  # not yet bound
+                continue
+            self.value(content, _place("cell", cell, name, content))
+        self.code(code, function.__globals__, frozenset(code.co_freevars))
+
+    def code(self, code: types.CodeType, namespace: dict[str, Any], cells: frozenset[str]) -> None:
+        """``cells``: the free variables that are cells of no function within this walk."""
+        self.done.add(code)
+        for instruction in dis.get_instructions(code):
+            op, name = instruction.opname, instruction.argval
+            if op in _WRITES:
+                raise _NotReplayable(f"{op} {name}")
+            if op in ("STORE_DEREF", "DELETE_DEREF") and name in cells:
+                raise _NotReplayable(f"writes the closure's {name}")
+            if op in ("LOAD_GLOBAL", "LOAD_NAME"):
+                self.global_(namespace, name)
+            elif op == "IMPORT_NAME" and not _trusted(name):
+                raise _NotReplayable(f"imports {name}")
+            elif "ATTR" in op or op == "LOAD_METHOD":
+                self.names.add(name)
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType) and const not in self.done:
+                self.code(const, namespace, cells & frozenset(const.co_freevars))
+
+    def global_(self, namespace: dict[str, Any], name: str) -> None:
+        if name not in namespace:
+            namespace = namespace.get("__builtins__", vars(builtins))
+            if isinstance(namespace, types.ModuleType):
+                namespace = vars(namespace)
+            if name not in namespace:
+                raise _NotReplayable(f"reads {name}, which is not defined")
+        self.value(namespace[name], _place("dict", namespace, name, namespace[name]))
+
+
+def _place(kind: str, where: Any, name: str, value: Any) -> _Place:
+    return _Place(kind, where, name, value, _immutable(value))
+
+
+def _class_attribute(klass: type, name: str) -> tuple[type | None, Any]:
+    """The class along ``klass``'s MRO that defines ``name``, and its value there."""
+    for owner in klass.__mro__:
+        if name in vars(owner):
+            return owner, vars(owner)[name]
+    return None, None
+
+
+def _trusted(module: str | None) -> bool:
+    return module is not None and module.partition(".")[0] in _TRUSTED
+
+
+def _immutable(value: Any) -> bool:
+    if isinstance(value, (tuple, frozenset)):
+        return all(_immutable(v) for v in value)
+    return isinstance(value, _IMMUTABLE)
+
+
 def _replaying_forward(
-    block: nn.Module, structure: Any, original: Callable[..., Any], templates: _Templates
+    block: nn.Module, structure: Any, original: Callable[..., Any], session: _Session
 ) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if getattr(_IN_TEMPLATE, "on", False) or not _may_replay():
             return original(*args, **kwargs)
+        if structure not in session.reads:
+            session.reads[structure] = _reads_of(block)
+        reads = session.reads[structure]
         leaves, spec = optree.tree_flatten((args, kwargs))
         tensor_args = [x for x in leaves if isinstance(x, torch.Tensor)]
         others = [x for x in leaves if not isinstance(x, torch.Tensor)]
-        if not _plain_value(others):  # a cache object, say, whose state the block may change
+        if reads is None or not _plain_value(others):  # a cache object, say, the block changes
             return original(*args, **kwargs)
         state = {
             **dict(block.named_parameters(remove_duplicate=False)),
@@ -194,10 +517,19 @@ def _replaying_forward(
         names = tuple(state)
         inputs = [*tensor_args, *state.values()]
         try:
-            key = (structure, spec, _hashable(others), names, tuple(map(_tensor_key, inputs)))
+            key = (
+                structure,
+                spec,
+                _hashable(others),
+                names,
+                tuple(map(_tensor_key, inputs)),
+                reads.values(),
+                _argument_reads(others, session),
+            )
             hash(key)
         except (TypeError, _NotReplayable):
             return original(*args, **kwargs)
+        templates = session.templates
         tracked = get_proxy_mode().tracer.tensor_tracker  # type: ignore[union-attr]
         if any(tracked.get(_unwrapped(x)) is None for x in inputs):
             return original(*args, **kwargs)
@@ -233,17 +565,31 @@ def _may_replay() -> bool:
         and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
         and torch._C._len_torch_function_stack() == 0
         and all(isinstance(m, _CAPTURE_MODES) for m in _get_current_dispatch_mode_stack())
+        and not any(_global_hooks())
+    )
+
+
+def _global_hooks() -> tuple[dict[Any, Any], ...]:
+    """The hooks registered for every module (a template would run them once)."""
+    module = nn.modules.module
+    return (
+        module._global_forward_hooks,
+        module._global_forward_pre_hooks,
+        module._global_backward_hooks,
+        module._global_backward_pre_hooks,
     )
 
 
 def _tensor_key(x: torch.Tensor) -> tuple:
-    level = _functorch.maybe_get_level(x)
+    """What the template's trace reads of a tensor: its layout, its functorch level and
+    whether it needs a gradient (``_template``'s ``wants_grad``)."""
+    level, requires_grad = _functorch.maybe_get_level(x), x.requires_grad
     x = _unwrapped(x)
     if type(x) is not FakeTensor or x.constant is not None:
         raise _NotReplayable("not a plain fake tensor")
     if not all(type(s) is int for s in (*x.shape, *x.stride())):
         raise _NotReplayable("symbolic sizes")
-    return (tuple(x.shape), x.stride(), x.dtype, x.device, level)
+    return (tuple(x.shape), x.stride(), x.dtype, x.device, level, requires_grad)
 
 
 def _unwrapped(x: torch.Tensor) -> torch.Tensor:
@@ -276,7 +622,9 @@ def _template(
         finally:
             _IN_TEMPLATE.on = False
 
-    thread = threading.Thread(target=trace, name="fddp-block-template")
+    # the caller's context variables, which the block's code or torch's may read
+    context = contextvars.copy_context()
+    thread = threading.Thread(target=context.run, args=(trace,), name="fddp-block-template")
     thread.start()
     thread.join()
     found = result[0]
@@ -348,6 +696,10 @@ def _trace_template(
     inputs = {storage(p.meta["val"]) for p in placeholders[: len(fakes)]}
     if any(not isinstance(o, fx.Node) or storage(o.meta["val"]) in inputs for o in outs):
         raise _NotReplayable("an output that is an input or a view of one")
+    # autograd sees a replay's outputs as unrelated tensors: a write to one would not reach
+    # the other, nor its gradient
+    if len({storage(o.meta["val"]) for o in outs}) < len(outs):
+        raise _NotReplayable("outputs that share storage")
     if any(g is not None and (not isinstance(g, fx.Node)) for g in grads):
         raise _NotReplayable("a gradient that is not a node")
     out_leaves = [None if isinstance(x, torch.Tensor) else x for x in box["leaves"]]
