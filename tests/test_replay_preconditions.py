@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextvars
 import math
+import random
+from collections.abc import Callable
 from typing import ClassVar
 
 import optree
@@ -118,6 +120,56 @@ class ContextDecoder(Decoder):
         SCALE_VAR.set(2.0 + i)
 
 
+def _cell_scaled() -> tuple[type[Residual], Callable[[float], None]]:
+    """A block class whose scale is a closure cell, and the function that sets it."""
+    value = 1.0
+
+    class CellScaled(Residual):
+        def scale(self) -> float:
+            return value
+
+    def set_value(v: float) -> None:
+        nonlocal value
+        value = v
+
+    return CellScaled, set_value
+
+
+CellScaled, set_cell_scale = _cell_scaled()
+
+
+class CellDecoder(Decoder):
+    def before(self, i: int) -> None:
+        set_cell_scale(1.0 + i)
+
+
+ACTIVATION = F.gelu
+
+
+class GlobalActivation(Residual):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + ACTIVATION(self.fc(x))
+
+
+class ActivationDecoder(Decoder):
+    def before(self, i: int) -> None:
+        global ACTIVATION
+        ACTIVATION = F.gelu if i % 2 == 0 else torch.tanh
+
+
+class StochasticDepth(Residual):
+    """Skips its residual branch at random (Python's generator)."""
+
+    def scale(self) -> float:
+        return 0.0 if random.random() < 0.5 else 1.0
+
+
+class RandomDecoder(Decoder):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        random.seed(0)
+        return super().forward(ids)
+
+
 class Counting(Residual):
     calls = 0
 
@@ -184,6 +236,12 @@ def _model(case: str, n: int = 4) -> nn.Module:
         return ClassDecoder([ClassScaled() for _ in range(n)])
     if case == "context variable":
         return ContextDecoder([ContextScaled() for _ in range(n)])
+    if case == "closure cell per layer":
+        return CellDecoder([CellScaled() for _ in range(n)])
+    if case == "global function per layer":
+        return ActivationDecoder([GlobalActivation() for _ in range(n)])
+    if case == "Python's random generator":
+        return RandomDecoder([StochasticDepth() for _ in range(n)])
     if case == "counter on self":
         return Decoder([Counting() for _ in range(n)])
     if case == "aliasing outputs":
@@ -268,6 +326,9 @@ def test_blocks_whose_parameters_are_detached_get_their_own_template(monkeypatch
         "property over a class dict",
         "class attribute per layer",
         "context variable",
+        "closure cell per layer",
+        "global function per layer",
+        "Python's random generator",
     ],
 )
 def test_a_value_read_outside_the_block_is_read_for_each_call(case, monkeypatch):

@@ -232,10 +232,10 @@ _IMMUTABLE = (
     torch.layout,
     torch.memory_format,
 )
-# builtins that write or look up attributes and namespaces by a name the code computes, or
-# have effects a replay would run once
+# builtins that write, look up attributes or namespaces by a name the code computes, tell
+# objects apart (``id``), or have effects a replay would run once
 _DENIED_BUILTINS = frozenset(
-    {
+    [
         "setattr",
         "delattr",
         "getattr",
@@ -251,16 +251,22 @@ _DENIED_BUILTINS = frozenset(
         "input",
         "print",
         "breakpoint",
-    }
+        "id",
+        "hash",
+        "repr",
+    ]
 )
+# attribute names that write (modules, objects, dicts) or read an object's namespace; and
+# ``register_*``: hooks and state a template would add once
 _DENIED_NAMES = frozenset(
-    {
+    [
         "__dict__",
         "__setattr__",
         "__delattr__",
         "__setstate__",
         "__setitem__",
         "__delitem__",
+        "__hash__",
         "add_module",
         "train",
         "eval",
@@ -270,8 +276,32 @@ _DENIED_NAMES = frozenset(
         "set_extra_state",
         "_apply",
         "share_memory",
-    }
+    ]
 )
+# special methods the language calls on a user class's objects without naming them, other
+# than these (constructors are followed where the class is called)
+_NOT_IMPLICIT = frozenset(
+    [
+        "__init__",
+        "__new__",
+        "__post_init__",
+        "__init_subclass__",
+        "__set_name__",
+        "__class_getitem__",
+        "__getstate__",
+        "__setstate__",
+        "__reduce__",
+        "__reduce_ex__",
+        "__del__",
+        "__copy__",
+        "__deepcopy__",
+        "__setattr__",
+        "__delattr__",
+        "__dir__",
+        "__repr__",
+    ]
+)
+_CONSTRUCTORS = ("__new__", "__init__", "__post_init__")
 _WRITES = frozenset({"STORE_ATTR", "DELETE_ATTR", "STORE_GLOBAL", "DELETE_GLOBAL"})
 
 
@@ -320,11 +350,11 @@ def _reads_of(block: nn.Module) -> _Reads | None:
     walk = _Walk()
     try:
         for module in block.modules():
-            walk.value(type(module), None)
+            walk.class_(type(module), constructed=False)
             for value in vars(module).values():
                 if callable(value) and not isinstance(value, nn.Module):
                     walk.value(value, None)
-        walk.names.update(("forward", "__call__"))
+        walk.names.update(("forward", "__call__", "backward", "setup_context"))
         walk.run()
     except _NotReplayable:
         return None
@@ -361,16 +391,20 @@ class _Walk:
         self.places: dict[tuple[str, int, str], _Place] = {}
         self.names: set[str] = set()  # attribute names the code loads
         self.namespaces: dict[int, Any] = {}  # user classes and modules, by id
-        self.pending: list[types.FunctionType] = []
-        self.done: set[types.CodeType] = set()
+        self.constructed: set[int] = set()  # user classes the code may call
+        # functions to read, each with the argument name its attribute writes may go to (a
+        # constructor's new object), else None
+        self.pending: list[tuple[types.FunctionType, str | None]] = []
+        self.functions: set[int] = set()
         self.resolved: set[tuple[int, str]] = set()
 
     def run(self) -> None:
         while True:
             while self.pending:
-                self.function(self.pending.pop())
-            if self.names & _DENIED_NAMES:
-                raise _NotReplayable(f"uses {sorted(self.names & _DENIED_NAMES)}")
+                self.function(*self.pending.pop())
+            denied = {n for n in self.names if n in _DENIED_NAMES or n.startswith("register_")}
+            if denied:
+                raise _NotReplayable(f"uses {sorted(denied)}")
             todo = [
                 (space, name)
                 for space in list(self.namespaces.values())
@@ -393,6 +427,26 @@ class _Walk:
             namespace = vars(space)
             self.value(namespace[name], _place("dict", namespace, name, namespace[name]))
 
+    def class_(self, klass: type, *, constructed: bool) -> None:
+        """Read ``klass``'s attributes by name from now on, and its special methods; its
+        constructors too where the code may call it."""
+        for owner in klass.__mro__:
+            if _trusted(owner.__module__):
+                continue
+            if id(owner) not in self.namespaces:
+                self.namespaces[id(owner)] = owner
+                for name, value in vars(owner).items():
+                    if _special(name) and name not in _NOT_IMPLICIT and _holds_code(value):
+                        self.value(value, None)
+            if constructed and id(owner) not in self.constructed:
+                self.constructed.add(id(owner))
+                for name in _CONSTRUCTORS:
+                    method = vars(owner).get(name)
+                    if isinstance(method, staticmethod):  # __new__
+                        method = method.__func__
+                    if isinstance(method, types.FunctionType):
+                        self.pending.append((method, method.__code__.co_varnames[0]))
+
     def value(self, value: Any, place: _Place | None) -> None:
         """Note ``value`` (read at ``place``), or raise if a replay cannot rely on it."""
         if place is not None:
@@ -403,14 +457,12 @@ class _Walk:
             if not _trusted(value.__name__):
                 self.namespaces[id(value)] = value
         elif isinstance(value, type):
-            for klass in value.__mro__:
-                if not _trusted(klass.__module__):
-                    self.namespaces[id(klass)] = klass
+            self.class_(value, constructed=True)
         elif isinstance(value, types.FunctionType):
             if hasattr(value, "__wrapped__"):  # a decorator's wrapper
                 self.value(value.__wrapped__, None)
             if not _trusted(value.__module__):
-                self.pending.append(value)
+                self.pending.append((value, None))
         elif isinstance(value, (staticmethod, classmethod)):
             self.value(value.__func__, None)
         elif isinstance(value, property):
@@ -426,15 +478,14 @@ class _Walk:
                 raise _NotReplayable(f"calls {value.__name__}")
             if not (owner is None or isinstance(owner, types.ModuleType) or _immutable(owner)):
                 raise _NotReplayable(f"{value} is a method bound to an object")
-        elif isinstance(value, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
-            return
-        else:
+        elif not isinstance(value, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
             raise _NotReplayable(f"reads a {type(value).__name__}")
 
-    def function(self, function: types.FunctionType) -> None:
-        code = function.__code__
-        if code in self.done:
+    def function(self, function: types.FunctionType, self_name: str | None) -> None:
+        if id(function) in self.functions:
             return
+        self.functions.add(id(function))
+        code = function.__code__
         for default in (*(function.__defaults__ or ()), *(function.__kwdefaults__ or {}).values()):
             self.value(default, None)
         for name, cell in zip(code.co_freevars, function.__closure__ or ()):
@@ -443,14 +494,26 @@ class _Walk:
             except ValueError:  # not yet bound
                 continue
             self.value(content, _place("cell", cell, name, content))
-        self.code(code, function.__globals__, frozenset(code.co_freevars))
+        self.code(code, function.__globals__, frozenset(code.co_freevars), self_name)
 
-    def code(self, code: types.CodeType, namespace: dict[str, Any], cells: frozenset[str]) -> None:
-        """``cells``: the free variables that are cells of no function within this walk."""
-        self.done.add(code)
+    def code(
+        self,
+        code: types.CodeType,
+        namespace: dict[str, Any],
+        cells: frozenset[str],
+        self_name: str | None = None,
+    ) -> None:
+        """``cells``: the free variables that are cells of no function within this walk;
+        ``self_name``: the argument whose attributes the code may write (``self.x = ...``)."""
+        previous = None
         for instruction in dis.get_instructions(code):
             op, name = instruction.opname, instruction.argval
-            if op in _WRITES:
+            if op in _WRITES and not (
+                op == "STORE_ATTR"
+                and self_name is not None
+                and previous is not None
+                and (previous.opname, previous.argval) == ("LOAD_FAST", self_name)
+            ):
                 raise _NotReplayable(f"{op} {name}")
             if op in ("STORE_DEREF", "DELETE_DEREF") and name in cells:
                 raise _NotReplayable(f"writes the closure's {name}")
@@ -460,8 +523,9 @@ class _Walk:
                 raise _NotReplayable(f"imports {name}")
             elif "ATTR" in op or op == "LOAD_METHOD":
                 self.names.add(name)
+            previous = instruction
         for const in code.co_consts:
-            if isinstance(const, types.CodeType) and const not in self.done:
+            if isinstance(const, types.CodeType):
                 self.code(const, namespace, cells & frozenset(const.co_freevars))
 
     def global_(self, namespace: dict[str, Any], name: str) -> None:
@@ -472,6 +536,14 @@ class _Walk:
             if name not in namespace:
                 raise _NotReplayable(f"reads {name}, which is not defined")
         self.value(namespace[name], _place("dict", namespace, name, namespace[name]))
+
+
+def _holds_code(value: Any) -> bool:
+    return isinstance(value, (types.FunctionType, staticmethod, classmethod, property))
+
+
+def _special(name: str) -> bool:
+    return name.startswith("__") and name.endswith("__")
 
 
 def _place(kind: str, where: Any, name: str, value: Any) -> _Place:
