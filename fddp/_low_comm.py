@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
@@ -31,14 +32,18 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp import _axes
+from fddp import _axes, _digests, _runtime
+from fddp._agree import Line, find_difference
 from fddp._axes import DEFAULT_AXIS
-from fddp._collectives import pmean
-from fddp._data_parallel import DataParallelStep, data_parallel
-from fddp._errors import RetraceWarning
+from fddp._collectives import axis_index, axis_size, pmean
+from fddp._data_parallel import DataParallelStep, _data_parallel
+from fddp._errors import ReplicaMismatchError, RetraceWarning, UsageValueError
 from fddp._optim import apply_updates, sgd
 from fddp._schedule._plan import Plan
+from fddp._tree import leaves_with_paths, path_str
 from fddp._types import GradientTransformation
+
+_DESCRIBED_LINES = 256  # at most this many lines describe the outer optimizer
 
 
 class LowCommState(NamedTuple):
@@ -58,6 +63,9 @@ class LowCommState(NamedTuple):
     params: Any
     opt_state: tuple
     pending: tuple
+
+    def saved_with_per_rank_values(self) -> bool:  # fddp.save(rank0_only=True) then checks
+        return True  # that they are the same everywhere (inner parameters differ between syncs)
 
 
 class _Outer(NamedTuple):
@@ -145,18 +153,30 @@ def fragment_bounds(sizes: Sequence[int], fragments: int) -> tuple[tuple[int, in
     return tuple((cuts[k], cuts[k + 1]) for k in range(fragments))
 
 
+def _nonfinite_ranks(
+    leaves: list[torch.Tensor], dtype: torch.dtype, axis_name: str
+) -> torch.Tensor:
+    """A vector with one entry per replica, nonzero at this replica's index where one of
+    ``leaves`` holds a NaN or Inf: averaged with the values it describes (the same all-reduce),
+    it says on every replica which replicas sent non-finite values."""
+    device = leaves[0].device
+    finite = torch.stack([torch.isfinite(x).all() for x in leaves]).all()
+    here = torch.arange(axis_size(axis_name), device=device) == axis_index(axis_name).to(device)
+    return (here & ~finite).to(dtype)
+
+
 def _averaged_outer_gradient(
     outer: list[torch.Tensor],
     inner: list[torch.Tensor],
     comm_dtype: torch.dtype | None,
     axis_name: str,
-) -> list[torch.Tensor]:
-    """The mean over replicas of ``outer - inner`` (one all-reduce), sent in ``comm_dtype``."""
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The mean over replicas of ``outer - inner`` sent in ``comm_dtype``, and which replicas'
+    differences were not finite (:func:`_nonfinite_ranks`), in one all-reduce."""
     deltas = [o - p for o, p in zip(outer, inner, strict=True)]
-    if comm_dtype is None:
-        return pmean(deltas, axis_name)
-    averaged = pmean([d.to(comm_dtype) for d in deltas], axis_name)
-    return [a.to(d.dtype) for a, d in zip(averaged, deltas)]
+    sent = deltas if comm_dtype is None else [d.to(comm_dtype) for d in deltas]
+    *averaged, flags = pmean([*sent, _nonfinite_ranks(deltas, sent[0].dtype, axis_name)], axis_name)
+    return [a.to(d.dtype) for a, d in zip(averaged, deltas)], flags
 
 
 def _outer_step(
@@ -191,6 +211,99 @@ class _Rule:
     axis_name: str
 
 
+def rule_lines(rule: _Rule, step_fn: Callable[..., Any]) -> list[Line]:
+    """How a low-communication step was built, as labelled lines the ranks compare on every
+    call: its options by value (floats by their exact bits) and the outer optimizer as the
+    values its functions close over (:func:`describe`)."""
+    inner = getattr(step_fn, "func", step_fn)  # a functools.partial: the function it binds
+    lines: list[Line] = [
+        (
+            "the inner step",
+            f"{getattr(inner, '__module__', '')}.{getattr(inner, '__qualname__', '')}",
+        ),
+        ("option every", repr(rule.schedule.every)),
+        ("option fragments", repr(rule.fragments)),
+        ("option delay", repr(rule.schedule.delay)),
+        ("option mix", _value(rule.mix)),
+        ("option comm_dtype of the outer gradients", repr(rule.comm_dtype)),
+    ]
+    if rule.outer is not None:
+        lines += describe(rule.outer, "option outer")
+    return lines
+
+
+def describe(obj: Any, label: str) -> list[Line]:
+    """``obj`` (an optimizer, a schedule: functions and what they close over) as lines, one
+    per value it holds, labelled by its path from ``label``: a function by its qualified name,
+    then each closure cell by its variable name and each default, recursively; containers by
+    item, other objects by their attributes; numbers by value (floats with their exact bits),
+    tensors by dtype, shape and a digest of their bits.
+
+    >>> import fddp
+    >>> describe(fddp.optim.scale(-0.7), "outer")[1]
+    ('outer.step_size', '-0.7 (-0x1.6666666666666p-1)')
+    """
+    lines: list[Line] = []
+    _describe(obj, label, lines, set())
+    return lines[:_DESCRIBED_LINES]
+
+
+def _value(x: Any) -> str:
+    return f"{x!r} ({x.hex()})" if isinstance(x, float) else repr(x)
+
+
+def _describe(obj: Any, label: str, lines: list[Line], seen: set[int]) -> None:
+    if len(lines) >= _DESCRIBED_LINES:
+        return
+    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, torch.dtype)):
+        lines.append((label, _value(obj)))
+        return
+    if isinstance(obj, torch.Tensor):
+        digest = int(_digests.digests([obj])[0][0]) & (2**64 - 1)
+        lines.append((label, f"tensor {_kind(obj)} digest {digest:016x}"))
+        return
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, GradientTransformation):
+        _describe(obj.update, label, lines, seen)
+        _describe(obj.init, f"{label}.init", lines, seen)
+    elif isinstance(obj, types.FunctionType):
+        lines.append((label, f"{obj.__module__}.{obj.__qualname__}"))
+        cells = zip(obj.__code__.co_freevars, obj.__closure__ or ())
+        for name, cell in cells:
+            with contextlib.suppress(ValueError):  # a cell not yet filled
+                _describe(cell.cell_contents, f"{label}.{name}", lines, seen)
+        defaults = obj.__defaults__ or ()
+        positional = obj.__code__.co_varnames[: obj.__code__.co_argcount]
+        for name, default in zip(positional[len(positional) - len(defaults) :], defaults):
+            _describe(default, f"{label}.{name}", lines, seen)
+        for name, default in (obj.__kwdefaults__ or {}).items():
+            _describe(default, f"{label}.{name}", lines, seen)
+    elif isinstance(obj, functools.partial):
+        _describe(obj.func, label, lines, seen)
+        _describe(obj.args, f"{label}.args", lines, seen)
+        _describe(obj.keywords, f"{label}.keywords", lines, seen)
+    elif isinstance(obj, (list, tuple)):
+        lines.append((label, f"{type(obj).__qualname__} of {len(obj)}"))
+        for i, item in enumerate(obj):
+            _describe(item, f"{label}[{i}]", lines, seen)
+    elif isinstance(obj, dict):
+        lines.append((label, f"{type(obj).__qualname__} of {len(obj)}"))
+        for key in sorted(obj, key=repr):
+            _describe(obj[key], f"{label}[{key!r}]", lines, seen)
+    elif isinstance(obj, (types.ModuleType, type)) or not hasattr(obj, "__dict__"):
+        lines.append((label, f"{type(obj).__module__}.{type(obj).__qualname__} {_qualname(obj)}"))
+    else:
+        lines.append((label, f"{type(obj).__module__}.{type(obj).__qualname__}"))
+        for name, value in sorted(vars(obj).items()):
+            _describe(value, f"{label}.{name}", lines, seen)
+
+
+def _qualname(obj: Any) -> str:
+    return getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or ""
+
+
 def _local_step(
     step_fn: Callable[..., Any],
     rule: _Rule,
@@ -201,27 +314,35 @@ def _local_step(
 ) -> tuple[Any, ...]:
     """One call on one replica: the user's inner step, then what ``phase`` synchronizes.
 
-    Returns ``(outer, params, *the step's other outputs)``.
+    Returns ``(outer, params, *the step's other outputs, flags)``: ``flags``, per fragment
+    synchronized, which replicas sent non-finite values (:func:`_nonfinite_ranks`). The
+    parameters are matched to the outer ones by path; fragments follow the outer ones' order.
     """
     if rule.outer is None:  # LocalSGD: every leaf in one fragment, averaged
         out = _inner_step(step_fn, rule, params, args)
-        new_params = out[0]
-        if phase.syncs:
-            new_params = pmean(new_params, rule.axis_name)
-        return (outer, new_params, *out[1:])
+        if not phase.syncs:
+            return (outer, *out, ())
+        leaves, spec = optree.tree_flatten(out[0])
+        bad = _nonfinite_ranks(leaves, leaves[0].dtype, rule.axis_name)
+        *averaged, bad = pmean([*leaves, bad], rule.axis_name)
+        return (outer, optree.tree_unflatten(spec, averaged), *out[1:], (bad,))
     leaves, spec = optree.tree_flatten(params)
-    bounds = fragment_bounds([x.numel() for x in leaves], rule.fragments)
     outer_leaves = optree.tree_leaves(outer.params)
-    launched = {
-        k: _averaged_outer_gradient(outer_leaves[a:b], leaves[a:b], rule.comm_dtype, rule.axis_name)
-        for k, (a, b) in enumerate(bounds)
-        if k in phase.launch_before
-    }
+    order = _matching(rule.name, params, outer.params)
+    bounds = fragment_bounds([x.numel() for x in outer_leaves], rule.fragments)
+    flags: dict[int, torch.Tensor] = {}
+    launched: dict[int, list[torch.Tensor]] = {}
+    for k in phase.launch_before:
+        a, b = bounds[k]
+        launched[k], flags[k] = _averaged_outer_gradient(
+            outer_leaves[a:b], [leaves[i] for i in order[a:b]], rule.comm_dtype, rule.axis_name
+        )
     out = _inner_step(step_fn, rule, params, args)
-    inner = optree.tree_leaves(out[0])
+    stepped = optree.tree_leaves(out[0])
+    inner = [stepped[i] for i in order]  # in the outer parameters' order
     for k in phase.launch_after:
         a, b = bounds[k]
-        launched[k] = _averaged_outer_gradient(
+        launched[k], flags[k] = _averaged_outer_gradient(
             outer_leaves[a:b], inner[a:b], rule.comm_dtype, rule.axis_name
         )
     new_outer, opt_states, pending = list(outer_leaves), list(outer.opt_state), list(outer.pending)
@@ -238,7 +359,53 @@ def _local_step(
         tuple(opt_states),
         tuple(pending),
     )
-    return (new_state, optree.tree_unflatten(spec, inner), *out[1:])
+    for j, i in enumerate(order):
+        stepped[i] = inner[j]
+    in_order = tuple(flags[k] for k in sorted(flags))
+    return (new_state, optree.tree_unflatten(spec, stepped), *out[1:], in_order)
+
+
+def _matching(who: str, params: Any, outer_params: Any) -> list[int]:
+    """For each leaf of the outer parameters, the index of the leaf of ``params`` at the same
+    path (a dict's keys in any order), both of one shape and dtype.
+
+    Raises:
+        UsageValueError: naming the paths that only one of them has, or the first leaf whose
+            shape or dtype differs.
+    """
+    paths, leaves, spec = optree.tree_flatten_with_path(params)
+    outer_paths, outer_leaves, outer_spec = optree.tree_flatten_with_path(outer_params)
+    if spec == outer_spec:  # the same paths in the same order
+        order = list(range(len(leaves)))
+    else:
+        index = {path: i for i, path in enumerate(paths)}
+        missing = [path_str(p) for p in outer_paths if p not in index]
+        known = set(outer_paths)
+        extra = [path_str(p) for p in paths if p not in known]
+        if missing or extra:
+            raise UsageValueError(
+                f"{who}: the parameters and the state's outer parameters (state.params, from "
+                f"step.init(params)) hold different leaves: the parameters lack "
+                f"{', '.join(missing) or 'none'} and have {', '.join(extra) or 'none'}, which "
+                "the state lacks. Leaves are matched by path (a dict's "
+                "keys), not by position: pass the tree step.init was given (a dict's keys in "
+                "any order), or start a new state with step.init(params)."
+            )
+        order = [index[p] for p in outer_paths]
+    for path, o, i in zip(outer_paths, outer_leaves, order):
+        x = leaves[i]
+        if (x.shape, x.dtype) != (o.shape, o.dtype):
+            raise UsageValueError(
+                f"{who}: parameter leaf {path_str(path)} is {_kind(x)}, but the state's outer "
+                f"parameters (state.params, from step.init(params)) have {_kind(o)} there. "
+                "Pass the parameters step.init was given, of the same shapes and dtypes, or "
+                "start a new state with step.init(params)."
+            )
+    return order
+
+
+def _kind(x: torch.Tensor) -> str:
+    return f"{str(x.dtype).removeprefix('torch.')} {list(x.shape)}"
 
 
 def _inner_step(step_fn: Callable[..., Any], rule: _Rule, params: Any, args: tuple) -> tuple:
@@ -281,14 +448,21 @@ class LowCommStep:
         functools.update_wrapper(self, step_fn)
         self._step_fn = step_fn
         self._rule = rule
+        self._group: dist.ProcessGroup | None = data_parallel_options["group"]
         local = functools.partial(_local_step, step_fn, rule)
         program = _named(local, f"{rule.name}({getattr(step_fn, '__name__', 'step')})")
-        self._programs: DataParallelStep = data_parallel(
+        self._programs: DataParallelStep = _data_parallel(
             program,
             axis_name=rule.axis_name,
-            check_replicas=(1,),  # the outer state; the inner parameters are per-rank
+            first_bucket_cap_mb=1.0,
             donate_argnums=tuple(n + 1 for n in donate_argnums),
+            comm_dtype=None,
+            axes=None,
+            trace=True,
+            check_replicas=(1,),  # the outer state; the inner parameters are per-rank
             cache_size=len(rule.schedule.phases()) + 4,
+            overlap_steps=False,
+            built_with=rule_lines(rule, step_fn),
             **data_parallel_options,
         )
         self._local = local
@@ -331,15 +505,48 @@ class LowCommStep:
         phase = self.phase(state)
         outer = _Outer(state.params, state.opt_state, state.pending)
         if _axes.find(self._rule.axis_name) is not None:  # inside fddp.vmap: replicas here
-            out = self._local(phase, outer, params, *args)
+            *out, _ = self._local(phase, outer, params, *args)
         else:
             with _one_program_per_phase():
-                out = self._programs(phase, outer, params, *args)
+                *out, flags = self._programs(phase, outer, params, *args)
+            if phase.syncs and _runtime.world_size(self._group) > 1:
+                self._check_replicated(state, phase)
+            _refuse_nonfinite(self._rule, int(state.step), flags)
         new_outer = out[0]
         new_state = LowCommState(
             state.step + 1, new_outer.params, new_outer.opt_state, new_outer.pending
         )
         return (new_state, *out[1:])
+
+    def _check_replicated(self, state: LowCommState, phase: Phase) -> None:
+        """The replicated state of the fragments ``phase`` synchronizes is bitwise the same on
+        every rank (one all-reduce of a digest; collective). Run after the call, whose check
+        has made sure that every rank is at this phase; the caller's state is still the one
+        from before the call."""
+        synced = sorted(set(phase.launch_before) | set(phase.launch_after) | set(phase.apply))
+        lines: list[Line] = [("state.step", str(int(state.step)))]
+        tensors: list[tuple[str, torch.Tensor]] = []
+        if self._rule.outer is not None:
+            paths, leaves, _ = leaves_with_paths(state.params)
+            bounds = fragment_bounds([x.numel() for x in leaves], self._rule.fragments)
+            for k in synced:
+                a, b = bounds[k]
+                tensors += [(f"state.params{p}", x) for p, x in zip(paths[a:b], leaves[a:b])]
+                tensors += _labelled(f"state.opt_state[{k}]", state.opt_state[k])
+                if state.pending:
+                    tensors += _labelled(f"state.pending[{k}]", state.pending[k])
+        found = _digests.digests([x for _, x in tensors])
+        for (label, x), digest in zip(tensors, found):
+            lines.append((label, f"{_kind(x)} digest {int(digest[0]) & (2**64 - 1):016x}"))
+        difference = find_difference(lines, self._group)
+        if difference is not None:
+            raise ReplicaMismatchError(
+                f"{self._rule.name}: the replicated state differs between ranks at the "
+                f"synchronization after inner step {int(state.step) + 1}: {difference}. It "
+                "is checked at every synchronization, for the fragments it synchronizes. "
+                "Every rank must pass the LowCommState its previous call returned (or one "
+                "loaded from the same checkpoint), never one changed on some ranks only."
+            )
 
     def schedule(self, state: LowCommState, params: Any, *args: Any) -> Plan:
         """The compiled plan of the call ``self(state, params, *args)`` would make (its
@@ -348,6 +555,33 @@ class LowCommStep:
         outer = _Outer(state.params, state.opt_state, state.pending)
         with _one_program_per_phase():
             return self._programs.schedule(self.phase(state), outer, params, *args)
+
+
+def _labelled(prefix: str, tree: Any) -> list[tuple[str, torch.Tensor]]:
+    paths, leaves, _ = leaves_with_paths(tree)
+    return [(prefix + p, x) for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)]
+
+
+def _refuse_nonfinite(rule: _Rule, count: int, flags: tuple[torch.Tensor, ...]) -> None:
+    """Raise on every rank where a replica sent a NaN or Inf in the call that took inner step
+    ``count + 1`` (``flags``: per fragment launched, :func:`_nonfinite_ranks`, averaged)."""
+    if not flags:
+        return
+    bad = torch.stack([f.ne(0) for f in flags]).any(dim=0)
+    if not bool(bad.any()):
+        return
+    ranks = bad.nonzero().flatten().tolist()
+    applied = count + max(rule.schedule.delay, 1)  # inner steps done when it would be applied
+    outer_step = -(-applied // rule.schedule.every)
+    sent = "parameters" if rule.outer is None else "outer gradient (outer - inner parameters)"
+    raise FloatingPointError(
+        f"{rule.name}: the {sent} of rank{'s' if len(ranks) > 1 else ''} "
+        f"{', '.join(map(str, ranks))} held NaN or Inf at outer step {outer_step} (the "
+        f"synchronization after inner step {applied}). Nothing was applied: every rank raises "
+        "here and the state and parameters from before this call are unchanged (unless "
+        "donated). Look for the cause in that rank's inner steps (learning rate, data, loss "
+        "scale), or skip such inner updates with fddp.optim.apply_if_finite."
+    )
 
 
 @contextlib.contextmanager

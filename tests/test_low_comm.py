@@ -355,7 +355,8 @@ def test_outer_gradients_go_in_bf16_one_fragment_per_sync(runs2):
     (plans, outer), _ = runs2["streaming_f2_bf16"]
     params = _model()[1]
     sizes = [x.numel() for x in optree.tree_leaves(params)]
-    fragment_bytes = [sum(sizes[a:b]) * 2 for a, b in fragment_bounds(sizes, 2)]
+    # each sync also sends one bf16 per rank: which ranks' outer gradients were not finite
+    fragment_bytes = [sum(sizes[a:b]) * 2 + 2 * 2 for a, b in fragment_bounds(sizes, 2)]
     # count 0 -> inner step 1 syncs fragment 0; count 1 -> inner step 2 syncs fragment 1
     assert [sum(n for _, n in p) for p in plans] == fragment_bytes
     assert {d for p in plans for d, _ in p} == {"bfloat16"}
