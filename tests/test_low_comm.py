@@ -196,7 +196,7 @@ def check_unsynchronized_outer_state_is_refused():
         try:
             lstep(wrong, params, opt_state, _batch(1, rank, world))
             messages.append(None)
-        except fddp.ReplicaMismatchError as e:
+        except (fddp.ReplicaMismatchError, fddp.ScheduleMismatchError) as e:
             messages.append(str(e))
     return messages
 
@@ -383,7 +383,8 @@ def test_an_unsynchronized_outer_state_fed_back_is_an_error(runs2):
     for first, later in runs2["fed_back"]:
         # passed as both arguments, it is a new signature (aliasing), whose first call
         # compares digests; otherwise the replication analysis of the previous call refuses it
-        assert first is not None and "differ between ranks" in first and "['0.bias']" in first
+        # (or the call check, which compares the values of the small replicated leaves)
+        assert first is not None and "between ranks" in first and "['0.bias']" in first
         assert later is not None and "is output leaf [1]['0.bias'] of the previous call" in later
 
 
