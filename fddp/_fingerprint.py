@@ -2,28 +2,41 @@
 
 A trace runs the step's Python once, so its graph is fixed by the code that runs and every value
 that code reads. :func:`fingerprint` walks out from the step: a function's bytecode, constants,
-defaults, closure cells and the globals its code names; an object's class and attributes; the
-items of containers. Code of installed libraries (torch, fddp, the standard library, anything
-under site-packages) enters by name, its versions being part of the persistent cache's key; the
-values such code closes over (an optimizer's learning rate) are walked like any other. A tensor
-enters by its shape, dtype, device and layout only, and its place on the walk is remembered:
-a graph that holds a tensor as a constant records that place and a digest of the values, and a
-restarted process finds it there again (:func:`locate`) and checks the values.
+defaults, closure cells, the globals its code names and the modules its body imports; a user's
+module by a digest of its source and the attributes the code names (a submodule's too, for
+``pkg.sub.f``); an object's class and attributes; the items of containers; values by content
+(an Enum member by its class and value, a numpy array by dtype, shape and bytes). Code of
+installed libraries (the standard library, anything under site-packages, torch, optree, numpy)
+enters by name, and each distribution it comes from by its version (``importlib.metadata``); one
+found without a distribution enters by a digest of its source file, fddp by a digest of its own
+source. The values such code closes over (an optimizer's learning rate) are walked like any
+other. A tensor enters by its shape, dtype, device and layout only, and its place on the walk is
+remembered: a graph that holds a tensor as a constant records that place and a digest of the
+values, and a restarted process finds it there again (:func:`locate`) and checks the values.
 
-What the walk cannot see is state outside what the step reaches (a global flag set in another
-module, an environment variable the model reads): the persistent cache's documentation says so.
+An object whose state the walk cannot read (a C object of the user's, or one whose ``repr``
+names only its address) makes the step :class:`Unfingerprintable`: it is not cached. What the
+walk cannot see is state outside what the step reaches (a global flag set in another module, an
+environment variable the model reads): the persistent cache's documentation says so.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import dis
 import enum
 import functools
 import hashlib
+import importlib
+import importlib.metadata
+import importlib.util
+import os
 import pathlib
 import sys
 import sysconfig
+import threading
 import types
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -36,8 +49,12 @@ _VALUES: tuple[type, ...] = (type(None), bool, int, float, complex, str, bytes, 
 _VALUES += (torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size)
 
 
+_LOCKS = (type(threading.Lock()), type(threading.RLock()))  # no value a trace reads
+
+
 class Unfingerprintable(Exception):
-    """The step reaches more objects than :data:`MAX_OBJECTS`, or one whose identity is lost."""
+    """The step reaches more objects than :data:`MAX_OBJECTS`, or one whose state it cannot
+    read."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,12 +76,105 @@ _LIBRARY_ROOTS = {"builtins", "torch", "fddp", "optree", "numpy", "typing", "fun
 
 @functools.cache
 def _is_library_module(name: str) -> bool:
-    """Whether the module ``name`` is installed code (enters the key by its version)."""
-    if name.partition(".")[0] in _LIBRARY_ROOTS or name in sys.builtin_module_names:
+    """Whether the module ``name`` is installed code (enters the key by its version); a module
+    of the user's, an editable install's included, is walked."""
+    top = name.partition(".")[0]
+    if top in _LIBRARY_ROOTS or top in sys.stdlib_module_names or name in sys.builtin_module_names:
         return True
     module = sys.modules.get(name)
     file = getattr(module, "__file__", None)
     return file is not None and file.startswith(_library_dirs())
+
+
+@functools.cache
+def _distributions(search_path: tuple[str, ...]) -> Mapping[str, list[str]]:
+    """Top-level module names -> the installed distributions that provide them."""
+    return importlib.metadata.packages_distributions()
+
+
+def _library_versions(name: str) -> tuple[Any, ...]:
+    """What stands for the installed module ``name`` in the key: its distributions' versions
+    (the standard library's is Python's, fddp's its source digest, both in the key already),
+    else a digest of its source file."""
+    top = name.partition(".")[0]
+    if top in ("builtins", "fddp") or top in sys.stdlib_module_names:
+        return ()
+    if name in sys.builtin_module_names:
+        return ()
+    found = _distributions(tuple(sys.path)).get(top)
+    if found:
+        return tuple((dist, importlib.metadata.version(dist)) for dist in sorted(set(found)))
+    return ("source", _module_source_digest(sys.modules.get(name)))
+
+
+def _module_source_digest(module: types.ModuleType | None) -> str:
+    file = getattr(module, "__file__", None)
+    if not isinstance(file, str):
+        return ""
+    try:
+        status = os.stat(file)
+    except OSError:
+        return ""
+    return _file_digest(file, status.st_mtime_ns, status.st_size)
+
+
+@functools.lru_cache(maxsize=4096)
+def _file_digest(file: str, mtime_ns: int, size: int) -> str:
+    return hashlib.sha256(pathlib.Path(file).read_bytes()).hexdigest()
+
+
+@functools.lru_cache(maxsize=4096)
+def _imports(code: types.CodeType) -> tuple[tuple[str, int, tuple[str, ...]], ...]:
+    """The imports in ``code`` and the code nested in it: (name, level, from-list) each."""
+    found: list[tuple[str, int, tuple[str, ...]]] = []
+    instructions = list(dis.get_instructions(code))
+    for i, ins in enumerate(instructions):
+        if ins.opname == "IMPORT_NAME" and i >= 2:
+            level, fromlist = instructions[i - 2].argval, instructions[i - 1].argval
+            found.append((ins.argval, level if isinstance(level, int) else 0, fromlist or ()))
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found += _imports(const)
+    return tuple(found)
+
+
+def _imported_modules(fn: types.FunctionType) -> list[types.ModuleType]:
+    """The modules ``fn``'s body imports, imported now as the body would import them.
+
+    Raises:
+        Unfingerprintable: one of them cannot be imported.
+    """
+    modules = []
+    for name, level, fromlist in _imports(fn.__code__):
+        try:
+            full = importlib.util.resolve_name(
+                "." * level + name, fn.__globals__.get("__package__")
+            )
+            module = importlib.import_module(full)
+            modules.append(module)
+            for item in fromlist:
+                if item != "*" and not hasattr(module, item):
+                    modules.append(importlib.import_module(f"{full}.{item}"))
+        except Exception as e:  # the trace would fail the same way
+            raise Unfingerprintable(
+                f"{fn.__qualname__} imports {'.' * level + name} in its body, which cannot be "
+                f"imported now ({type(e).__name__}: {e})"
+            ) from None
+    return modules
+
+
+def _is_numpy(obj: Any, kind: str) -> bool:
+    """Whether ``obj`` is a ``numpy.<kind>`` (none exists before numpy is imported)."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(obj, getattr(numpy, kind))
+
+
+def _describe(path: Path) -> str:
+    """``path`` as the code that reaches it might read."""
+    text = "step" if path[0] == ("root", 0) else f"static argument {path[0][1] - 1}"
+    for step, key in path[1:]:
+        text += f"[{key!r}]" if step in ("item", "closure") else "" if step == "vars" else f".{key}"
+    return text
 
 
 def _is_library(obj: Any) -> bool:
@@ -80,17 +190,16 @@ class _Walk:
         self.seen: dict[int, int] = {}
         self.keep: list[Any] = []  # the walked objects stay alive, so their ids stay unique
         self.tensors: dict[int, Path] = {}
+        self.libraries: set[str] = set()  # installed modules met, keyed by their versions
+        self.walked: set[tuple[int, frozenset[str]]] = set()  # (module, names) walked
 
     def emit(self, *parts: Any) -> None:
         self.hash.update(repr(parts).encode())
         self.hash.update(b"\0")
 
     def visit(self, obj: Any, path: Path) -> None:
-        if isinstance(obj, _VALUES):
-            self.emit(type(obj).__qualname__, repr(obj))
-            return
-        if isinstance(obj, enum.Enum):
-            self.emit("enum", type(obj).__module__, type(obj).__qualname__, obj.name)
+        if isinstance(obj, _VALUES) and not isinstance(obj, enum.Enum):
+            self.emit(type(obj).__qualname__, repr(obj))  # a float's repr is its exact bits
             return
         index = self.seen.get(id(obj))
         if index is not None:
@@ -103,7 +212,11 @@ class _Walk:
         self._visit_new(obj, path)
 
     def _visit_new(self, obj: Any, path: Path) -> None:
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, enum.Enum):
+            self.emit("enum", obj.name)
+            self.visit(type(obj), (*path, ("attr", "__class__")))
+            self.visit(obj.value, (*path, ("attr", "value")))
+        elif isinstance(obj, torch.Tensor):
             self.tensors.setdefault(id(obj), path)
             kind = type(obj).__qualname__
             self.emit("tensor", kind, tuple(obj.shape), obj.dtype, obj.device.type, obj.layout)
@@ -120,7 +233,7 @@ class _Walk:
             self.visit(obj.__func__, (*path, ("attr", "__func__")))
             self.visit(obj.__self__, (*path, ("attr", "__self__")))
         elif isinstance(obj, types.ModuleType):
-            self.emit("module", obj.__name__)
+            self._module(obj)
         elif isinstance(obj, type):
             self._class(obj, path)
         elif isinstance(obj, (types.BuiltinFunctionType, types.WrapperDescriptorType)) or (
@@ -139,7 +252,29 @@ class _Walk:
             self.emit(type(obj).__qualname__, sorted(repr(x) for x in obj))
         elif isinstance(obj, (types.CodeType,)):
             self._code(obj)
+        elif _is_numpy(obj, "ndarray"):
+            self._array(obj, path)
+        elif _is_numpy(obj, "generic"):
+            self.emit("numpy scalar", type(obj).__qualname__, obj.tobytes())
+        elif isinstance(obj, _LOCKS) or type(obj) is object:  # no state a trace reads
+            self.emit(type(obj).__qualname__)
         else:
+            self._instance(obj, path)
+
+    def _module(self, module: types.ModuleType) -> None:
+        if _is_library_module(module.__name__):
+            self.libraries.add(module.__name__)
+            self.emit("library module", module.__name__)
+        else:
+            self.emit("module", module.__name__, _module_source_digest(module))
+
+    def _array(self, obj: Any, path: Path) -> None:
+        if obj.dtype.hasobject:
+            raise Unfingerprintable(
+                f"{_describe(path)} is a numpy array of Python objects; give it a numeric dtype"
+            )
+        self.emit("ndarray", obj.dtype.str, obj.shape, hashlib.sha256(obj.tobytes()).digest())
+        if type(obj).__module__ != "numpy":  # a subclass: its class and attributes too
             self._instance(obj, path)
 
     def _mapping(self, obj: dict, path: Path) -> None:
@@ -162,14 +297,19 @@ class _Walk:
 
     def _function(self, fn: types.FunctionType, path: Path) -> None:
         if _is_library(fn):
+            self.libraries.add(fn.__module__)
             self.emit("library function", fn.__module__, fn.__qualname__)
         else:
             self.emit("function", fn.__qualname__)
             self._code(fn.__code__)
-            for name in sorted(_global_names(fn.__code__)):
+            names = _global_names(fn.__code__)
+            for name in sorted(names):
                 if name in fn.__globals__:
                     self.emit("global", name)
-                    self._global(fn.__globals__[name], fn.__code__, (*path, ("global", name)))
+                    self._global(fn.__globals__[name], names, (*path, ("global", name)))
+            for module in _imported_modules(fn):
+                self.emit("import", module.__name__)
+                self._global(module, names, (*path, ("import", module.__name__)))
         self.visit(fn.__defaults__, (*path, ("attr", "__defaults__")))
         self.visit(fn.__kwdefaults__, (*path, ("attr", "__kwdefaults__")))
         for i, cell in enumerate(fn.__closure__ or ()):
@@ -183,17 +323,23 @@ class _Walk:
         if wrapped is not None:
             self.visit(wrapped, (*path, ("attr", "__wrapped__")))
 
-    def _global(self, value: Any, code: types.CodeType, path: Path) -> None:
-        """A global the code names; a user module contributes the attributes the code names."""
+    def _global(self, value: Any, names: frozenset[str], path: Path) -> None:
+        """A global (or imported module) the code names; a user module contributes the
+        attributes the code names, and a submodule among them its own (``pkg.sub.f``)."""
         self.visit(value, path)
-        if isinstance(value, types.ModuleType) and not _is_library_module(value.__name__):
-            for name in sorted(_global_names(code)):
-                if name in vars(value):
-                    self.emit("module attribute", name)
-                    self.visit(vars(value)[name], (*path, ("attr", name)))
+        if not isinstance(value, types.ModuleType) or _is_library_module(value.__name__):
+            return
+        if (id(value), names) in self.walked:
+            return
+        self.walked.add((id(value), names))
+        for name in sorted(names):
+            if name in vars(value):
+                self.emit("module attribute", name)
+                self._global(vars(value)[name], names, (*path, ("attr", name)))
 
     def _class(self, cls: type, path: Path) -> None:
         if _is_library(cls):
+            self.libraries.add(cls.__module__)
             self.emit("library class", cls.__module__, cls.__qualname__)
             return
         self.emit("class", cls.__module__, cls.__qualname__)
@@ -221,9 +367,14 @@ class _Walk:
                 self.emit("slot", name)
                 self.visit(getattr(obj, name), (*path, ("attr", name)))
         if state is None and not _slots(type(obj)):
-            self.emit(
-                "opaque", repr(obj) if _is_library(type(obj)) and "0x" not in repr(obj) else ""
-            )
+            text = repr(obj)
+            if not _is_library(type(obj)) or "0x" in text:
+                raise Unfingerprintable(
+                    f"{_describe(path)} is a {type(obj).__qualname__} whose state fddp cannot "
+                    f"read ({text[:60]}); make it a value the step takes as an argument, or "
+                    "give its class a __dict__ or __slots__"
+                )
+            self.emit("opaque", text)
 
 
 def _qualname(obj: Any) -> str:
@@ -257,6 +408,8 @@ def fingerprint(*roots: Any) -> Fingerprint:
     walk = _Walk()
     for i, root in enumerate(roots):
         walk.visit(root, (("root", i),))
+    for name in sorted(walk.libraries):
+        walk.emit("installed", name, _library_versions(name))
     return Fingerprint(walk.hash.hexdigest(), walk.tensors)
 
 
@@ -279,6 +432,8 @@ def _follow(obj: Any, step: str, key: Any) -> Any:
             return obj.__closure__[key].cell_contents
         if step == "global":
             return obj.__globals__[key]
+        if step == "import":
+            return sys.modules[key]
         if step == "attr":
             return getattr(obj, key)
         if step == "vars":

@@ -1,0 +1,233 @@
+"""What the persistent program cache's key covers: code a step reaches through a submodule
+attribute (``pkg.sub.f``) or an import in its body, installed libraries by their version, an Enum
+member's value and a numpy array's bytes. Each test compiles a step, changes what it reaches as
+a restarted process would see it (modules imported afresh from edited files), and checks that a
+new step object compiles afresh and computes what the changed step computes eagerly, not the
+cached program's old numbers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _compare import assert_trees_equal
+
+import fddp
+
+LOADED = "loaded from cache"
+W, X = torch.ones(3, dtype=torch.float64), torch.linspace(-1.0, 1.0, 15).double().reshape(5, 3)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    directory = tmp_path / "programs"
+    monkeypatch.setattr(fddp._persistent_cache, "_directory", str(directory))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # an edit of equal size and second
+    return directory
+
+
+@pytest.fixture
+def modules(tmp_path, monkeypatch):
+    """Write modules under a directory on ``sys.path`` and import them afresh, as a restarted
+    process does; they leave ``sys.modules`` after the test."""
+    root = tmp_path / "code"
+    root.mkdir()
+    monkeypatch.syspath_prepend(str(root))
+    written: set[str] = set()
+
+    def write(files: dict[str, str]) -> None:
+        for name, text in files.items():
+            path = root / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(textwrap.dedent(text))
+            written.add(name.removesuffix(".py").removesuffix("/__init__").replace("/", "."))
+        for name in written:
+            sys.modules.pop(name, None)
+        importlib.invalidate_caches()
+
+    yield write
+    for name in written:
+        sys.modules.pop(name, None)
+
+
+def _step(source: str, **globals_):
+    namespace = {"fddp": fddp, "torch": torch, "__name__": "the_script", **globals_}
+    exec(compile(textwrap.dedent(source), "<script>", "exec"), namespace)
+    return namespace["step"]
+
+
+def _run(step):
+    """A new step object's result and how its program was made."""
+    pstep = fddp.data_parallel(step)
+    return pstep(W, X), pstep.schedule(W, X).captured_with
+
+
+def _compiles_afresh(make_step) -> None:
+    """``make_step()`` (called after each change) is cached, then loaded, then, changed, compiled
+    afresh with the changed numbers."""
+    before, how = _run(make_step(2.0))
+    assert how == "make_fx"
+    assert _run(make_step(2.0))[1].endswith(LOADED)
+    changed = make_step(3.0)
+    out, how = _run(changed)
+    assert how == "make_fx"
+    assert_trees_equal(out, changed(W, X))
+    assert not torch.equal(out, before)
+
+
+_USES_SUB = """
+def step(w, x):
+    g = fddp.grad(lambda w: pkg.sub.f(x @ w).pow(2).mean())(w)
+    return w - 0.1 * fddp.pmean(g)
+"""
+
+
+def test_an_edited_submodule_reached_as_an_attribute(cache, modules):
+    def make(scale: float):
+        modules({"pkg/__init__.py": "", "pkg/sub.py": f"def f(h):\n    return h * {scale}\n"})
+        importlib.import_module("pkg.sub")
+        return _step(_USES_SUB, pkg=importlib.import_module("pkg"))
+
+    _compiles_afresh(make)
+
+
+_IMPORTS_IN_BODY = """
+def step(w, x):
+    import inner_helper
+    from inner_pkg import inner_sub
+
+    g = fddp.grad(lambda w: inner_sub.g(inner_helper.f(x @ w)).pow(2).mean())(w)
+    return w - 0.1 * fddp.pmean(g)
+"""
+
+
+@pytest.mark.parametrize("edited", ["inner_helper.py", "inner_pkg/inner_sub.py"])
+def test_an_edited_module_imported_in_the_step_body(cache, modules, edited):
+    def make(scale: float):
+        files = {
+            "inner_helper.py": "def f(h):\n    return h * 2.0\n",
+            "inner_pkg/__init__.py": "",
+            "inner_pkg/inner_sub.py": "def g(h):\n    return h + 1.0\n",
+        }
+        files[edited] = files[edited].replace("2.0" if "helper" in edited else "1.0", str(scale))
+        modules(files)  # not imported until the step (or the cache's key) imports them
+        return _step(_IMPORTS_IN_BODY)
+
+    _compiles_afresh(make)
+
+
+_USES_ENUM = """
+import enum
+
+class Scale(enum.Enum):
+    A = {scale}
+
+SCALE = Scale.A
+
+def step(w, x):
+    g = fddp.grad(lambda w: ((x @ w) * SCALE.value).pow(2).mean())(w)
+    return w - 0.1 * fddp.pmean(g)
+"""
+
+
+def test_an_edited_enum_value(cache):
+    _compiles_afresh(lambda scale: _step(_USES_ENUM.format(scale=scale)))
+
+
+_USES_ARRAY = """
+def step(w, x):
+    a, b = (float(v) for v in TABLE[1000:1002])
+    g = fddp.grad(lambda w: ((x @ w) * a + b).pow(2).mean())(w)
+    return w - 0.1 * fddp.pmean(g)
+"""
+
+
+@pytest.mark.parametrize("where", ["elided by repr", "9th digit"])
+def test_a_changed_numpy_array(cache, where):
+    def make(scale: float):
+        table = np.full(2000, 0.123456789)
+        if scale != 2.0:
+            table[1000:1002] = 0.123456788 if where == "9th digit" else 0.5
+        return _step(_USES_ARRAY, TABLE=table)
+
+    if where == "9th digit":  # repr shows 8 digits
+        assert repr(np.array([0.123456789])) == repr(np.array([0.123456788]))
+    else:
+        assert "..." in repr(np.full(2000, 0.123456789))
+    _compiles_afresh(make)
+
+
+# --- an installed library upgraded, in new processes -------------------------------------------
+
+_SCRIPT = """
+import json, sys
+import torch
+import fddp
+import fakelib
+
+fddp.set_cache_dir(sys.argv[1])
+w, x = torch.ones(3), torch.linspace(-1.0, 1.0, 15).reshape(5, 3)
+
+def step(w, x):
+    g = fddp.grad(lambda w: fakelib.f(x @ w).pow(2).mean())(w)
+    return w - 0.1 * fddp.pmean(g)
+
+pstep = fddp.data_parallel(step)
+out = pstep(w, x)
+print(json.dumps({
+    "how": pstep.schedule(w, x).captured_with,
+    "out": out.tolist(),
+    "eager": step(w, x).tolist(),
+}))
+"""
+
+
+def _install(site: Path, version: str, scale: float) -> None:
+    """``fakelib`` ``version`` in ``site``: a package and its distribution's metadata."""
+    for old in site.glob("fakelib-*.dist-info"):
+        for file in old.iterdir():
+            file.unlink()
+        old.rmdir()
+    (site / "fakelib").mkdir(parents=True, exist_ok=True)
+    (site / "fakelib" / "__init__.py").write_text(f"def f(h):\n    return h * {scale}\n")
+    info = site / f"fakelib-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: fakelib\nVersion: {version}\n")
+    (info / "top_level.txt").write_text("fakelib\n")
+
+
+def test_an_upgraded_installed_library(tmp_path):
+    site = tmp_path / "lib" / "site-packages"  # where installed code lives: keyed by version
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    repository = Path(fddp.__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{repository}{os.pathsep}{site}"}
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+
+    def run() -> dict:
+        done = subprocess.run(
+            [sys.executable, str(script), str(tmp_path / "programs")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    _install(site, "1.0", 2.0)
+    first = run()
+    assert first["how"] == "make_fx"
+    _install(site, "2.0", 3.0)
+    upgraded = run()
+    assert upgraded["how"] == "make_fx"
+    assert upgraded["out"] == upgraded["eager"] != first["out"]
