@@ -23,6 +23,7 @@ import torch.distributed as dist
 from fddp import (
     _axes,
     _machine,
+    _mesh,
     _pending,
     _persistent_cache,
     _runtime,
@@ -491,6 +492,7 @@ def _checked_axes(
     if not axes:
         return {}
     _runtime.ensure_group()
+    _mesh.check_axes(axes, group)  # a collective: every rank's groups, one verdict everywhere
     outer = set(dist.get_process_group_ranks(group or dist.group.WORLD))
     for name, sub in axes.items():
         if name == axis_name:
