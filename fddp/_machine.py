@@ -1,8 +1,9 @@
 """What this machine's link and compute cost: measured once per process group, the same on every
 rank (rank 0's figures, broadcast), for the cost model that chooses bucket sizes.
 
-The link is timed with the best of a few all-reduces of a small and of a large buffer (a latency
-and a time per byte); the compute with a matmul, a large elementwise op and many tiny ops. The
+The link is timed with the best of a few all-reduces of a small and of a larger buffer (a latency
+and a time per byte), about 420 kB a rank in all, so that a slow link pays little for it; the
+compute with a matmul, a large elementwise op and many tiny ops. The
 probe fills its tensors with constants, so measuring draws nothing from the user's RNG.
 """
 
@@ -10,16 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-_PROBE_BYTES = (64 * 2**10, 4 * 2**20)
-_PROBE_WARMUP = 3
-_PROBE_REPEATS = 7
+_PROBE_BYTES = (4 * 2**10, 96 * 2**10)
+_PROBE_WARMUP = (5, 1)  # the first all-reduces set up connections and put the ranks in step
+_PROBE_REPEATS = (15, 3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +42,27 @@ class Machine:
             f"{1 / self.seconds_per_byte_moved / 1e9:.1f} GB/s, "
             f"{self.seconds_per_node * 1e6:.1f} us/op"
         )
+
+
+# What a real link or processor can take, in seconds: a figure outside its range (zero, negative,
+# not finite, absurd) would divide by zero or overflow in the cost model.
+_BOUNDS = {
+    "latency": (0.0, 60.0),
+    "seconds_per_byte": (1e-15, 1e-3),  # 1 PB/s to 1 kB/s
+    "seconds_per_flop": (1e-18, 1e-3),
+    "seconds_per_byte_moved": (1e-15, 1e-3),
+    "seconds_per_node": (1e-10, 1.0),
+}
+
+
+def invalid_figure(machine: Machine) -> str | None:
+    """The first figure of ``machine`` that no machine can have, as ``name=value``; None if
+    all are sane."""
+    for name, (low, high) in _BOUNDS.items():
+        value = getattr(machine, name)
+        if not (math.isfinite(value) and low <= value <= high):
+            return f"{name}={value!r}"
+    return None
 
 
 def _synchronize(device: torch.device) -> None:
@@ -61,13 +85,21 @@ def _link(group: dist.ProcessGroup | None, device: torch.device) -> tuple[float,
     """Latency and seconds per byte of an all-reduce: the line through the best times of a small
     and a large one."""
     fastest = []
-    for size in _PROBE_BYTES:
+    for size, warmup, repeats in zip(_PROBE_BYTES, _PROBE_WARMUP, _PROBE_REPEATS):
         buffer = torch.zeros(size // 4, device=device)
-        for _ in range(_PROBE_WARMUP):  # connections, buffers, and the ranks in step
+        for _ in range(warmup):
             dist.all_reduce(buffer, group=group)
         reduce = functools.partial(dist.all_reduce, buffer, group=group)
-        fastest.append(_best_seconds(reduce, device, _PROBE_REPEATS))
+        fastest.append(_best_seconds(reduce, device, repeats))
     return line_through(*fastest)
+
+
+def probe_bytes() -> int:
+    """The bytes each rank all-reduces to measure the link."""
+    return sum(
+        size * (warmup + repeats)
+        for size, warmup, repeats in zip(_PROBE_BYTES, _PROBE_WARMUP, _PROBE_REPEATS)
+    )
 
 
 def line_through(small_seconds: float, large_seconds: float) -> tuple[float, float]:
@@ -153,7 +185,9 @@ def restore(records: object, group: dist.ProcessGroup | None = None) -> None:
     """Take figures that :func:`recorded` wrote for a group of this size where none are
     measured yet: a resumed run chooses its bucket caps as the run it resumes did, so on 3 or
     more ranks it also sums every gradient in the same order. Rows that do not fit (another
-    world size, a malformed row) are skipped."""
+    world size, a malformed row) are skipped; rows whose figures no machine can have (zero,
+    negative, not finite, absurd: a crafted or damaged manifest) are skipped with a warning,
+    and the figures are measured afresh at the next compile."""
     key = _key(group)
     if not dist.is_initialized() or key is None or not isinstance(records, list):
         return
@@ -164,11 +198,21 @@ def restore(records: object, group: dist.ProcessGroup | None = None) -> None:
         if not (isinstance(row, list) and len(row) == 2 + fields and row[1] == world):
             continue
         try:
-            device, figures = torch.device(row[0]), [float(x) for x in row[2:]]
-        except (RuntimeError, TypeError, ValueError):
+            device, machine = torch.device(row[0]), Machine(*(float(x) for x in row[2:]))
+        except (RuntimeError, TypeError, ValueError, OverflowError):
+            continue
+        bad = invalid_figure(machine)
+        if bad is not None:
+            warnings.warn(
+                f"ignoring the link and compute figures recorded for {device}: {bad} is not "
+                "a figure a machine can have (a damaged or edited checkpoint manifest); they "
+                "will be measured afresh at the next compile, so the bucket caps may differ "
+                "from the run that wrote the checkpoint.",
+                stacklevel=3,
+            )
             continue
         if device not in per_device:
-            per_device[device] = Machine(*figures)
+            per_device[device] = machine
             _restored.setdefault(key, set()).add(device)
 
 
