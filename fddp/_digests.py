@@ -106,6 +106,8 @@ def digests(tensors: list[torch.Tensor]) -> torch.Tensor:
 
     for i, t in enumerate(tensors):
         raw = _bytes(t)
+        if raw.numel() == 0:  # no bytes: the digest of nothing, (0, 0), as _single computes it
+            continue
         wide = raw.numel() % 4 == 0
         count = raw.numel() // 4 if wide else raw.numel()
         if count > _CHUNK:
