@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from fddp import _axes, _digests, _runtime
-from fddp._agree import Line, find_difference
+from fddp._agree import Line, digest, find_difference
 from fddp._axes import DEFAULT_AXIS
 from fddp._collectives import axis_index, axis_size, pmean
 from fddp._data_parallel import DataParallelStep, _data_parallel
@@ -43,7 +43,7 @@ from fddp._schedule._plan import Plan
 from fddp._tree import leaves_with_paths, path_str
 from fddp._types import GradientTransformation
 
-_DESCRIBED_LINES = 256  # at most this many lines describe the outer optimizer
+_DESCRIBED_LINES = 256  # lines beyond this many are compared as one digest
 
 
 class LowCommState(NamedTuple):
@@ -245,7 +245,13 @@ def describe(obj: Any, label: str) -> list[Line]:
     """
     lines: list[Line] = []
     _describe(obj, label, lines, set())
-    return lines[:_DESCRIBED_LINES]
+    if len(lines) <= _DESCRIBED_LINES:
+        return lines
+    rest = lines[_DESCRIBED_LINES - 1 :]
+    return [
+        *lines[: _DESCRIBED_LINES - 1],
+        (f"{label} (its last {len(rest)} values)", f"digest {digest(rest)}"),
+    ]
 
 
 def _value(x: Any) -> str:
@@ -253,14 +259,11 @@ def _value(x: Any) -> str:
 
 
 def _describe(obj: Any, label: str, lines: list[Line], seen: set[int]) -> None:
-    if len(lines) >= _DESCRIBED_LINES:
-        return
     if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, torch.dtype)):
         lines.append((label, _value(obj)))
         return
     if isinstance(obj, torch.Tensor):
-        digest = int(_digests.digests([obj])[0][0]) & (2**64 - 1)
-        lines.append((label, f"tensor {_kind(obj)} digest {digest:016x}"))
+        lines.append((label, f"tensor {_kind(obj)} digest {_hex(_digests.digests([obj])[0])}"))
         return
     if id(obj) in seen:
         return
@@ -404,6 +407,10 @@ def _matching(who: str, params: Any, outer_params: Any) -> list[int]:
     return order
 
 
+def _hex(digest: torch.Tensor) -> str:
+    return f"{int(digest[0]) & (2**64 - 1):016x}{int(digest[1]) & (2**64 - 1):016x}"
+
+
 def _kind(x: torch.Tensor) -> str:
     return f"{str(x.dtype).removeprefix('torch.')} {list(x.shape)}"
 
@@ -536,8 +543,8 @@ class LowCommStep:
                 if state.pending:
                     tensors += _labelled(f"state.pending[{k}]", state.pending[k])
         found = _digests.digests([x for _, x in tensors])
-        for (label, x), digest in zip(tensors, found):
-            lines.append((label, f"{_kind(x)} digest {int(digest[0]) & (2**64 - 1):016x}"))
+        for (label, x), bits in zip(tensors, found):
+            lines.append((label, f"{_kind(x)} digest {_hex(bits)}"))
         difference = find_difference(lines, self._group)
         if difference is not None:
             raise ReplicaMismatchError(
