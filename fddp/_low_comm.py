@@ -16,6 +16,10 @@ call is :func:`_local_step`, a pure function of a :class:`Phase` (which fragment
 which apply on this call, a function of the counter alone) and the tensors: on ranks it runs
 through ``fddp.data_parallel`` (one compiled program per distinct phase, its all-reduces
 bucketed and overlapped with the inner step), under ``fddp.vmap`` it runs as it is.
+
+On ranks, what the step was built with (:func:`rule_lines`) joins data_parallel's per-call
+check; each synchronization compares the replicated state it touches by digest and refuses a
+NaN or Inf that a rank sent (flagged in the same all-reduce) before any state is returned.
 """
 
 from __future__ import annotations
@@ -558,7 +562,8 @@ class LowCommStep:
     def schedule(self, state: LowCommState, params: Any, *args: Any) -> Plan:
         """The compiled plan of the call ``self(state, params, *args)`` would make (its
         collectives; after a first call of that phase, each output's replication: output
-        ``[0]`` is the outer state without the counter, ``[1]`` the parameters)."""
+        ``[0]`` is the outer state without the counter, ``[1]`` the parameters, the last which
+        ranks sent non-finite values)."""
         outer = _Outer(state.params, state.opt_state, state.pending)
         with _one_program_per_phase():
             return self._programs.schedule(self.phase(state), outer, params, *args)
