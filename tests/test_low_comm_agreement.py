@@ -107,6 +107,7 @@ CHECKS = {
     "outer_momentum": functools.partial(_first_call_error, every=2, outer=((0.7, 0.9), (0.7, 0.8))),
     "mix": functools.partial(_first_call_error, every=2, delay=(1, 1), mix=(0.5, 0.25)),
     "fragments": functools.partial(_first_call_error, every=2, fragments=(1, 2)),
+    "every": functools.partial(_first_call_error, every=(2, 3)),
     "delay": functools.partial(_first_call_error, every=3, delay=(0, 1)),
     "corrupted_state": check_corrupted_state,
     "nan_delay_0": functools.partial(check_nonfinite_worker, 0),
@@ -139,6 +140,7 @@ def runs():
             "(0x1.0000000000000p-1) on rank 0",
         ),
         ("fragments", "option fragments is 2 on rank 1 but 1 on rank 0"),
+        ("every", "option every is 3 on rank 1 but 2 on rank 0"),
         ("delay", "option delay is 1 on rank 1 but 0 on rank 0"),
     ],
 )
