@@ -20,8 +20,8 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp import _machine, _pending, _runtime
-from fddp._errors import RankFailureError, SaveArrivalError
+from fddp import _agree, _machine, _pending, _runtime
+from fddp._errors import RankFailureError, SaveArrivalError, UsageValueError
 from fddp._sharded_params import ShardedParams
 from fddp._types import TensorTree
 from fddp._zero import ShardedState
@@ -135,6 +135,8 @@ def save(path: PathLike, tree: TensorTree, *, rank0_only: bool = True) -> None:
         "leaves": [leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves],
         "machine": _machine.recorded(),  # a resumed run's bucket caps are this run's
     }
+    if _holds_sharded(tree):
+        payload["per_rank"] = {"rank": _rank(), "world_size": _world_size()}
     distributed = rank0_only and dist.is_available() and dist.is_initialized()
     if not distributed or dist.get_world_size() == 1:
         _write_atomic(path, payload)
@@ -143,11 +145,14 @@ def save(path: PathLike, tree: TensorTree, *, rank0_only: bool = True) -> None:
     with _saves_lock:  # one save at a time, so that every rank numbers them alike
         global _saves
         number, _saves = _saves, _saves + 1
-        _save_from_rank0(path, payload, number)
+        _save_from_rank0(path, payload, number, tree, _replica_lines(tree, paths, leaves))
 
 
-def _save_from_rank0(path: str, payload: dict[str, Any], number: int) -> None:
-    """The ``rank0_only`` save number ``number`` of this process, on every rank."""
+def _save_from_rank0(
+    path: str, payload: dict[str, Any], number: int, tree: TensorTree, lines: list[_agree.Line]
+) -> None:
+    """The ``rank0_only`` save number ``number`` of this process, on every rank; ``lines``
+    describe what must be the same on every rank (see :func:`_replica_lines`)."""
     start = time.monotonic()
     _peer_checked(_check_arrival, path, number, start=start)
     # Every rank is in this save: a group that already failed (a peer died or timed out
@@ -155,6 +160,9 @@ def _save_from_rank0(path: str, payload: dict[str, Any], number: int) -> None:
     _peer_checked(dist.barrier, start=start)
     if dist.get_rank() == 0:  # every rank has read the verdict of _check_arrival
         _peer_checked(_forget, number, start=start)
+    difference = _peer_checked(_agree.find_difference, lines, start=start)
+    if difference is not None:
+        raise _per_rank_values_error(path, tree, difference)
     error: BaseException | None = None
     if dist.get_rank() == 0:
         try:
@@ -290,6 +298,7 @@ def load(path: PathLike, like: TensorTree | None = None) -> TensorTree:
     like_paths, like_leaves, treespec = _flatten(like)
     devices = {leaf.device for leaf in like_leaves if isinstance(leaf, torch.Tensor)}
     payload = _read(path, map_location=devices.pop() if len(devices) == 1 else "cpu")
+    _check_owner(path, payload.get("per_rank"))
     _machine.restore(payload.get("machine"))
     saved = dict(zip(payload["paths"], payload["leaves"]))
     _check_structure(
@@ -333,7 +342,7 @@ def _check_structure(
     like_set = set(like_paths)
     extra = [p for p in saved_paths if p not in like_set]
     if missing or extra:
-        raise ValueError(
+        raise UsageValueError(
             f"checkpoint {path} does not have the structure of `like`:\n"
             f"  leaves in `like` but not in the {source}: {_listing(missing)}\n"
             f"  leaves in the {source} but not in `like`: {_listing(extra)}\n{advice}"
@@ -364,10 +373,89 @@ def _leaf_problems(leaf_path: str, got: Any, want: Any, source: str) -> list[str
 
 def _check_leaves(path: str, problems: list[str], advice: str) -> None:
     if problems:
-        raise ValueError(
+        raise UsageValueError(
             f"checkpoint {path} does not match `like` ({len(problems)} mismatches):\n  "
             + _listing(problems, sep="\n  ")
             + f"\n{advice}"
+        )
+
+
+# A method that returns True: a tree holding an instance of the class holds values saved beside
+# it that differ per rank (fddp.LowCommState: the inner parameters between synchronizations).
+_PER_RANK_MARK = "saved_with_per_rank_values"
+
+
+def _marked(x: Any) -> bool:
+    mark = getattr(x, _PER_RANK_MARK, None)
+    return callable(mark) and mark() is True
+
+
+def _replica_lines(tree: TensorTree, paths: list[str], leaves: list[Any]) -> list[_agree.Line]:
+    """What a ``rank0_only`` save compares across ranks: whether the tree holds a marked state
+    (see ``_PER_RANK_MARK``) and, if it does, a digest of every leaf's value."""
+    found, _ = _found(tree, _marked)
+    lines: list[_agree.Line] = [("a state with per-rank values beside it", found or "none")]
+    if found:
+        lines += [(f"leaf {p}", _value_digest(x)) for p, x in zip(paths, leaves)]
+    return lines
+
+
+def _found(tree: TensorTree, kind: Callable[[Any], bool]) -> tuple[str, Any]:
+    """The path and value of the first node of ``tree`` that is of ``kind`` (``""``: none)."""
+    accessors, nodes, _ = optree.tree_flatten_with_accessor(tree, is_leaf=kind)
+    for accessor, node in zip(accessors, nodes):
+        if kind(node):
+            return f"{accessor.codify('') or '<root>'} ({type(node).__name__})", node
+    return "", None
+
+
+def _value_digest(leaf: Any) -> str:
+    if not isinstance(leaf, torch.Tensor):
+        return f"{type(leaf).__name__} {leaf!r}"
+    raw = leaf.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    digest = hashlib.blake2b(raw.tobytes(), digest_size=8).hexdigest()
+    return f"a {leaf.dtype} tensor of shape {tuple(leaf.shape)} and digest {digest}"
+
+
+def _per_rank_values_error(path: str, tree: TensorTree, difference: _agree.Difference) -> Exception:
+    found, _ = _found(tree, _marked)
+    return UsageValueError(
+        f"fddp.save({path!r}): {difference}. The tree holds {found}, beside which values are "
+        "per-rank (a low-communication step's inner parameters and optimizer state between "
+        "synchronizations), and rank0_only=True (the default) would write rank 0's values "
+        "only, which every rank would then load. Save each rank's own file: "
+        'fddp.save(f"ckpt-{fddp.rank()}", tree, rank0_only=False), each rank loading its own; '
+        "or save only what is the same on every rank (the LowCommState: its params are the "
+        "last synchronized ones), e.g. right after a synchronization (without fragments, when "
+        "int(state.step) % step.every == 0). Nothing was written."
+    )
+
+
+def _holds_sharded(tree: TensorTree) -> bool:
+    return bool(_found(tree, lambda x: isinstance(x, (ShardedState, ShardedParams)))[0])
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _check_owner(path: str, per_rank: Any) -> None:
+    """Refuse a file of one rank's shards (``per_rank``: its rank and world size) on another."""
+    if not isinstance(per_rank, dict):
+        return
+    saved, here = (per_rank.get("rank"), per_rank.get("world_size")), (_rank(), _world_size())
+    if saved != here:
+        raise UsageValueError(
+            f"checkpoint {path} holds the shards of rank {saved[0]} of {saved[1]} (sharded "
+            f"state saved with fddp.save, a file per rank), but this is rank {here[0]} of "
+            f"{here[1]}: its shards are not this rank's. Load on each rank the file that rank "
+            'saved (fddp.load(f"ckpt-{fddp.rank()}", like)) on as many ranks; to load on '
+            "other ranks or another number of them, save with fddp.save_sharded(directory, "
+            "tree), which reshards."
         )
 
 

@@ -44,8 +44,8 @@ from fddp._checkpoint import (
     _writing,
     _writing_lock,
 )
-from fddp._errors import RankFailureError
-from fddp._sharded_params import ShardedParams
+from fddp._errors import RankFailureError, UsageValueError
+from fddp._sharded_params import ShardedParams, cut_ranks
 from fddp._tree import path_str
 from fddp._types import TensorTree
 from fddp._zero import ShardedState, bucket_piece
@@ -91,6 +91,83 @@ def _world(group: dist.ProcessGroup | None) -> tuple[int, dist.ProcessGroup | No
         return 1, None
     group = group if group is not None else dist.group.WORLD
     return dist.get_world_size(group), group
+
+
+def _ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
+    """The global ranks of ``group`` (of a world of one without one)."""
+    return (0,) if group is None else tuple(dist.get_process_group_ranks(group))
+
+
+def _check_cut(tree: Any, group: dist.ProcessGroup | None, given: bool, where: str) -> None:
+    """Refuse a tree whose shards were cut over other ranks than those of ``group``: each
+    rank's shard would be taken for the part of the bucket of its rank in ``group``."""
+    cut, ranks = cut_ranks(tree), _ranks(group)
+    if cut is None or tuple(cut) == ranks:
+        return
+    default = "" if given else " (the default: the world)"
+    raise UsageValueError(
+        f"{where}: the sharded state in this tree was cut over ranks {list(cut)}, but this "
+        f"call is over the group of ranks {list(ranks)}{default}, so each rank's shards would "
+        "be taken for another part of every bucket. Pass group= the process group the state "
+        "is sharded over (the group of its shard axis, as given to fddp.shard_params and "
+        "data_parallel's axes); in hybrid sharding, each replica group saves and loads over "
+        "its own shard group (e.g. to a path of its own)."
+    )
+
+
+def _layouts(tree: Any) -> dict[str, dict[str, list]]:
+    """By the path of each ``ShardedParams`` in ``tree``: the path, shape and dtype of every
+    leaf of the full tree it is cut from (its shards alone do not say)."""
+    out: dict[str, dict[str, list]] = {}
+    paths, leaves, _ = optree.tree_flatten_with_path(tree, is_leaf=_is_sharded)
+    for path, leaf in zip(paths, leaves):
+        if isinstance(leaf, ShardedParams):
+            layout = leaf.layout
+            out[path_str(path)] = {
+                "paths": list(layout.paths),
+                "shapes": [list(shape) for shape in layout.shapes],
+                "dtypes": [str(dtype) for dtype in layout.dtypes],
+            }
+    return out
+
+
+def _check_layouts(path: str, saved: Any, like: Any) -> None:
+    """Compare the full trees of ``like``'s fully sharded parameters with those saved (a
+    manifest's ``layouts``; None for a checkpoint that has none), leaf by leaf and by path."""
+    if not isinstance(saved, dict):
+        return
+    for key, want in _layouts(like).items():
+        got = saved.get(key)
+        if not isinstance(got, dict):
+            continue  # not saved as fully sharded parameters: DCP's keys say so
+        name = {p: key + p if p != "<root>" else key for p in want["paths"] + got["paths"]}
+        _check_structure(
+            path,
+            [name[p] for p in want["paths"]],
+            [name[p] for p in got["paths"]],
+            "checkpoint",
+            _LIKE_ADVICE,
+        )
+        problems = []
+        theirs = {p: i for i, p in enumerate(got["paths"])}
+        for i, p in enumerate(want["paths"]):
+            j = theirs[p]
+            shape, dtype = got["shapes"][j], got["dtypes"][j]
+            if shape != want["shapes"][i]:
+                problems.append(
+                    f"{name[p]}: shape {tuple(shape)} in the checkpoint, "
+                    f"{tuple(want['shapes'][i])} in like"
+                )
+            if dtype != want["dtypes"][i]:
+                problems.append(
+                    f"{name[p]}: dtype {dtype} in the checkpoint, {want['dtypes'][i]} in like"
+                )
+            if i != j:
+                problems.append(
+                    f"{name[p]}: leaf {j} of the checkpoint's fully sharded tree, leaf {i} of "
+                    "like's (its place in the buckets)"
+                )
+        _check_leaves(path, problems, _LIKE_ADVICE)
 
 
 def _entries(tree: Any, rank: int = 0) -> list[tuple[str, Any, tuple[int, ...] | None]]:
@@ -213,13 +290,16 @@ def save_sharded(
         tensor([1., 1., 1.])
     """
     path = os.fspath(path)
+    given = group is not None
     n, group = _world(group)
     rank = dist.get_rank(group) if group is not None else 0
-    entries = _entries(_pending.finished(tree), rank)
+    tree = _pending.finished(tree)
+    entries = _entries(tree, rank)
     start = time.monotonic()
     error: BaseException | None = None
     state_dict: dict[str, Any] = {}
     try:
+        _check_cut(tree, group, given, _SAVE)
         for key, leaf, _ in entries:
             _check_leaf(key, leaf)
         mesh = _mesh(group, entries) if n > 1 else None
@@ -261,7 +341,8 @@ def save_sharded(
                 assert fd is not None and {_METADATA, *writer.referenced} <= set(files)
                 os.fsync(fd)  # the data directory's entries, before the manifest names it
                 replaced = _published(path)
-                _publish(path, name, files, n, _machine.recorded(group))
+                record = {"group_ranks": list(_ranks(group)), "layouts": _layouts(tree)}
+                _publish(path, name, files, n, _machine.recorded(group), record)
             except BaseException as e:
                 published = e
         _gather_or_raise(published, None, group, start, _SAVE)
@@ -323,17 +404,29 @@ def load_sharded(
         RankFailureError: If another rank died or the process group already failed.
     """
     path = os.fspath(path)
+    given = group is not None
     n, group = _world(group)
     rank = dist.get_rank(group) if group is not None else 0
     entries = _entries(like, rank)
     start = time.monotonic()
-    source, error = None, None
+    source: _Source | None = None
+    error: BaseException | None = None
     try:
-        source = _Source.open(path)
-        source.check(entries)
+        _check_cut(like, group, given, _LOAD)
+        if rank == 0:  # the others open the save it opened: every rank loads the same one
+            source = _Source.open(path)
     except Exception as e:  # raised on every rank by _gather_or_raise
         error = e
     try:
+        manifest = None if source is None else source.manifest
+        manifest = _gather_or_raise(error, manifest, group, start, _LOAD)[0]
+        try:
+            if source is None:
+                source = _Source.chosen(path, manifest)
+            _check_layouts(path, None if manifest is None else manifest.get("layouts"), like)
+            source.check(entries)
+        except Exception as e:  # raised on every rank by _gather_or_raise
+            error = e
         _gather_or_raise(error, None, group, start, _LOAD)
         assert source is not None
         mesh = _mesh(group, entries) if n > 1 else None
@@ -394,7 +487,7 @@ def _gather_or_raise(
 def _portable(error: BaseException) -> BaseException:
     """``error`` as another rank can unpickle it: a built-in exception or fddp's, else a
     RuntimeError that names it."""
-    if type(error).__module__ == "builtins" and isinstance(error, Exception):
+    if type(error).__module__ in ("builtins", "fddp._errors") and isinstance(error, Exception):
         return error
     if isinstance(error, RankFailureError):
         return RankFailureError(str(error))
@@ -447,13 +540,20 @@ def _dcp_errors(path: str, rank: int, start: float, *, writing: bool) -> Iterato
 
 
 def _publish(
-    path: str, name: str, files: dict[str, dict[str, Any]], world: int, machine: list
+    path: str,
+    name: str,
+    files: dict[str, dict[str, Any]],
+    world: int,
+    machine: list,
+    record: dict[str, Any],
 ) -> None:
     """Replace the manifest of ``path`` with one naming data directory ``name``; ``machine``
-    is the link and compute figures this run chose its bucket caps from, for a resumed run."""
+    is the link and compute figures this run chose its bucket caps from, for a resumed run;
+    ``record``: the group's ranks and the fully sharded parameters' full trees."""
     body = {"format": _FORMAT, "version": _VERSION, "data": name, "world_size": world}
     body["files"] = dict(sorted(files.items()))
     body["machine"] = machine
+    body.update(record)
     text = json.dumps({**body, "sha256": _digest(body)}, indent=1)
 
     def write(f: BinaryIO) -> None:
@@ -572,6 +672,7 @@ class _Source:
     files: dict[str, dict[str, Any]] | None
     fd: int | None = None
     machine: Any = None  # the figures the saved run chose its bucket caps from
+    manifest: dict[str, Any] | None = None  # verified (None for a plain DCP directory)
     metadata: Any = None
     verified: set[str] = dataclasses.field(default_factory=set)
 
@@ -586,13 +687,46 @@ class _Source:
                 f"{path} is a file, not a sharded checkpoint (a directory written by "
                 "fddp.save_sharded); a file written by fddp.save is read with fddp.load."
             )
-        source = cls._locked(path)
+        return cls._with_metadata(cls._locked(path))
+
+    @classmethod
+    def chosen(cls, path: str, manifest: dict[str, Any] | None) -> _Source:
+        """The save that rank 0 opened, whose verified ``manifest`` it sent (None: a plain DCP
+        directory), opened on this rank: it holds it locked, so it is there until all read."""
+        source = None
+        with contextlib.suppress(FileNotFoundError):
+            source = cls(path, path, None) if manifest is None else cls._named(path, manifest)
+        if source is None:
+            assert manifest is not None
+            seen = _published(path) or "none"
+            raise ValueError(
+                f"checkpoint {path}: rank 0 loads the save in {manifest['data']}, which this "
+                f"rank cannot open (here {MANIFEST} names {seen}): every rank must see the "
+                "checkpoint on one file system that all of them share."
+            )
+        return cls._with_metadata(source)
+
+    @classmethod
+    def _with_metadata(cls, source: _Source) -> _Source:
         try:
             source.metadata = source._read_metadata()
         except BaseException:
             source.close()
             raise
         return source
+
+    @classmethod
+    def _named(cls, path: str, manifest: dict[str, Any]) -> _Source | None:
+        """The data directory ``manifest`` names, locked; None if it was replaced or a
+        remover holds it. Raises FileNotFoundError if it is missing."""
+        data = os.path.join(path, manifest["data"])
+        fd = os.open(data, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+        with contextlib.suppress(FileNotFoundError):
+            if _lock_shared(fd) and os.path.samestat(os.fstat(fd), os.stat(data)):
+                files = manifest["files"]
+                return cls(path, data, files, fd, manifest.get("machine"), manifest)
+        os.close(fd)
+        return None
 
     @classmethod
     def _locked(cls, path: str) -> _Source:
@@ -613,21 +747,18 @@ class _Source:
                         path,
                     )
                 return cls(path, path, None)  # written by an older fddp
-            data = os.path.join(path, manifest["data"])
             try:
-                fd = os.open(data, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+                source = cls._named(path, manifest)
             except FileNotFoundError:
-                if gone == data:  # not a save replacing it: it is missing
+                if gone == manifest["data"]:  # not a save replacing it: it is missing
                     raise ValueError(
                         f"checkpoint {path} is incomplete: its data directory "
                         f"{manifest['data']} is missing{_BROKEN_ADVICE}"
                     ) from None
-                gone = data
+                gone = manifest["data"]
                 continue
-            with contextlib.suppress(FileNotFoundError):
-                if _lock_shared(fd) and os.path.samestat(os.fstat(fd), os.stat(data)):
-                    return cls(path, data, manifest["files"], fd, manifest.get("machine"))
-            os.close(fd)
+            if source is not None:
+                return source
         raise ValueError(
             f"checkpoint {path} was replaced {_OPEN_ATTEMPTS} times while this rank opened "
             "it (saves to it in quick succession); load it again."
@@ -923,5 +1054,5 @@ def _rebuild(like: Any, values: Iterator[Any]) -> Any:
             continue
         inner_leaves, inner_spec = optree.tree_flatten(leaf.inner)
         inner = optree.tree_unflatten(inner_spec, [next(values) for _ in inner_leaves])
-        out.append(ShardedState(inner, leaf.pieces))
+        out.append(leaf._replace(inner=inner))
     return optree.tree_unflatten(spec, out)
