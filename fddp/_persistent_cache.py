@@ -11,14 +11,19 @@ Beside each program lies its cost profile, so a loaded program's bucket cap is c
 this run's measured link exactly as a fresh compile would choose it; a program is kept per cap.
 
 Writes are atomic (a temporary file renamed into place), so concurrent ranks and jobs share a
-directory. A program is run as it is read, so the directory must belong to the user and be
-writable by nobody else (otherwise the cache is not used and a warning says why), and each file
-carries an authentication code under a key kept in the directory: a file this cache did not
-write (copied from elsewhere, or crafted) is ignored, never unpickled.
+directory; a write that fails (a read-only directory, a full disk) leaves nothing behind and the
+program is kept in memory only, with one warning. A program is run as it is read, so the
+directory and every directory above it must be safe from other users (owned by the user or
+root, writable by nobody else unless sticky, like /tmp), and each file carries an authentication
+code under a key kept in the directory, a file of 32 bytes that only the user may read: a file
+this cache did not write (copied from elsewhere, or crafted) is ignored, never unpickled. Where
+any of this does not hold, the cache is not used and a warning says why. The directory is kept
+under a size (``max_bytes``) by removing the programs least recently written or loaded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import hmac
@@ -27,6 +32,7 @@ import os
 import pickle
 import platform
 import secrets
+import stat
 import sys
 import tempfile
 import time
@@ -53,26 +59,35 @@ from fddp._schedule._program import Compiled
 from fddp._signature import Signature, TensorSpec
 
 ENV = "FDDP_CACHE_DIR"
+MAX_BYTES = 4 << 30
 _UNSET = object()
 _directory: Any = _UNSET
-_refused: set[str] = set()  # directories already warned about
+_max_bytes = MAX_BYTES
+_said: set[str] = set()  # warnings already given
+_KEY_BYTES = 32
 
 
-def set_cache_dir(path: str | os.PathLike | None) -> None:
+def set_cache_dir(path: str | os.PathLike | None, *, max_bytes: int = MAX_BYTES) -> None:
     """Keep compiled programs in ``path`` for later processes (None: keep none).
 
     A restarted job with the same step code, model, argument signature, options, world size and
     versions loads its programs from there instead of capturing and scheduling the step again
     (the first call of a 32-layer transformer goes from seconds to a fraction of one). Off by
     default; the environment variable ``FDDP_CACHE_DIR`` turns it on for a whole job. The
-    directory is created private to the user; one that others can write to is not used.
+    directory is created private to the user; one that others can write to (or below one they
+    can) is not used. Beyond ``max_bytes`` (4 GiB by default) the programs least recently
+    written or loaded are removed.
 
-    The key covers what the step's code reaches through its closures, globals, defaults and
-    attributes; state the step reads elsewhere (a flag in another module, an environment
-    variable the model reads) is not seen: clear the directory after changing such state.
+    The key covers what the step's code reaches through its closures, globals, defaults,
+    attributes and imports, and the versions of the installed libraries among them; state the
+    step reads elsewhere (a flag in another module, an environment variable the model reads) is
+    not seen: clear the directory after changing such state.
     """
-    global _directory
+    global _directory, _max_bytes
+    if max_bytes <= 0:
+        raise ValueError(f"set_cache_dir: max_bytes must be positive, got {max_bytes}.")
     _directory = None if path is None else os.fspath(path)
+    _max_bytes = max_bytes
 
 
 def cache_dir() -> str | None:
@@ -88,6 +103,7 @@ class Key:
     fingerprint: Fingerprint
     roots: tuple[Any, ...]
     directory: Path
+    secret: bytes  # the directory's key for the files' authentication codes
 
     def profile_path(self) -> Path:
         return self.directory / f"{self.digest}.profile"
@@ -96,32 +112,58 @@ class Key:
         return self.directory / f"{self.digest}.cap{cap}.program"
 
 
+def _warn_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        warnings.warn(message, stacklevel=5)
+
+
+def _refuse(directory: str | Path, why: str) -> None:
+    _warn_once(
+        f"fddp: not using the program cache {directory}: {why}; programs are run as they are "
+        "read, so the cache must be the user's own. Compiling in memory."
+    )
+
+
+def _make_private(path: Path) -> None:
+    """Create ``path`` and the directories missing above it, each private to the user."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another rank made it first
+            directory.mkdir(mode=0o700)
+
+
+def _unsafe(path: Path, own: bool = True) -> str | None:
+    """Why another user could replace ``path`` or a directory above it, or None: each must be
+    the user's (``path`` itself only the user's if ``own``, the others the user's or root's)
+    and writable by nobody else unless sticky (like /tmp)."""
+    user = os.getuid() if hasattr(os, "getuid") else None
+    for i, directory in enumerate((path, *path.parents)):
+        status = os.lstat(directory)
+        if not stat.S_ISDIR(status.st_mode):
+            return f"{directory} is not a directory"
+        if user is not None and status.st_uid not in ((user,) if i == 0 and own else (user, 0)):
+            return f"{directory} belongs to another user"
+        if status.st_mode & 0o022 and not (i > 0 and status.st_mode & stat.S_ISVTX):
+            return f"others can write to {directory} (chmod go-w, or choose another directory)"
+    return None
+
+
 def _usable(directory: str) -> Path | None:
-    """``directory``, created private if missing; None (warned once) if others can write it."""
-    path = Path(directory).expanduser() / f"fddp-v{_store.FORMAT}"
+    """``directory``, created private if missing; None (warned once) if it is not safe."""
+    path = Path(directory).expanduser().absolute() / f"fddp-v{_store.FORMAT}"
     try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        status = path.stat()
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        why = _unsafe(existing.resolve(), own=existing == path)  # before creating below it
+        if why is None:
+            _make_private(path)
+            why = _unsafe(path.resolve())
     except OSError as e:
-        _refuse(directory, f"it cannot be created ({e})")
-        return None
-    if hasattr(os, "getuid") and status.st_uid != os.getuid():
-        _refuse(directory, "it belongs to another user")
-        return None
-    if status.st_mode & 0o022:
-        _refuse(directory, "others can write to it (chmod go-w)")
+        why = f"it cannot be created ({e})"
+    if why is not None:
+        _refuse(directory, why)
         return None
     return path
-
-
-def _refuse(directory: str, why: str) -> None:
-    if directory not in _refused:
-        _refused.add(directory)
-        warnings.warn(
-            f"fddp: not using the program cache {directory}: {why}; programs are run as "
-            "they are read, so the directory must be the user's own.",
-            stacklevel=5,
-        )
 
 
 def _signature_text(signature: Signature) -> list[str]:
@@ -145,13 +187,14 @@ def key_for(
     if directory is None:
         return None
     path = _usable(directory)
-    if path is None:
+    secret = None if path is None else _secret(path)
+    if path is None or secret is None:
         return None
     roots = (step_fn, tuple(x for x in leaves if not isinstance(x, torch.Tensor)))
     try:
         found = fingerprint(*roots)
     except Unfingerprintable as e:
-        _runtime.log_rank0("data_parallel: not caching the program: %s", e)
+        _warn_once(f"fddp: not keeping {_name(step_fn)}'s program in the program cache: {e}.")
         return None
     world = _runtime.world_size(group)
     parts = [
@@ -170,7 +213,11 @@ def key_for(
         _group_text(group) if world > 1 else "",
     ]
     digest = hashlib.sha256(repr(parts).encode()).hexdigest()
-    return Key(digest, found, roots, path)
+    return Key(digest, found, roots, path, secret)
+
+
+def _name(step_fn: Any) -> str:
+    return getattr(step_fn, "__qualname__", None) or type(step_fn).__qualname__
 
 
 def _group_text(group: dist.ProcessGroup | None) -> str:
@@ -210,40 +257,96 @@ def save(key: Key, compiled: Compiled) -> None:
     except Exception as e:  # an output tree of a class pickle cannot name, say
         _runtime.log_rank0("data_parallel: not caching the program: %s: %s", type(e).__name__, e)
         return
-    _write(key, key.program_path(compiled.program.cap), program_data)
-    _write(key, key.profile_path(), profile_data)
+    program_path = key.program_path(compiled.program.cap)
+    for file, data in ((program_path, program_data), (key.profile_path(), profile_data)):
+        mac = hmac.new(key.secret, data, hashlib.sha256).digest()
+        try:
+            _write_atomically(file, mac + data)
+        except OSError as e:
+            _warn_once(
+                f"fddp: could not write to the program cache {key.directory} ({e}); programs "
+                "are compiled in memory until it can be written (free space, or make it "
+                "writable)."
+            )
+            return
+    _evict(key.directory, _max_bytes, keep=key.digest)
 
 
-def _secret(directory: Path) -> bytes:
-    """This directory's key for the files' authentication codes, created on first use: a file
-    that another cache wrote (copied in, or crafted) is not read."""
-    path = directory / ".key"
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        pass
-    fd, temporary = tempfile.mkstemp(dir=directory, prefix=".writing-")
-    with os.fdopen(fd, "wb") as f:
-        f.write(secrets.token_bytes(32))
-    try:
-        os.link(temporary, path)  # fails if another process made it first: theirs is kept
-    except FileExistsError:
-        pass
-    finally:
-        os.unlink(temporary)
-    return path.read_bytes()
-
-
-def _write(key: Key, path: Path, data: bytes) -> None:
-    mac = hmac.new(_secret(key.directory), data, hashlib.sha256).digest()
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file renamed into place, which is removed
+    if anything fails."""
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".writing-")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(mac + data)
+            f.write(data)
         os.replace(temporary, path)
-    except OSError as e:
-        _runtime.log_rank0("data_parallel: could not write the program cache: %s", e)
+    except BaseException:
         Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def _evict(directory: Path, limit: int, keep: str) -> None:
+    """Remove the programs (with their profiles) least recently written or loaded until the
+    directory's files take at most ``limit`` bytes; never the ones under ``keep``."""
+    entries: dict[str, list[tuple[Path, os.stat_result]]] = {}
+    for path in directory.iterdir():
+        if path.name.startswith("."):  # the key, and other processes' files being written
+            continue
+        with contextlib.suppress(FileNotFoundError):  # another process evicted it
+            entries.setdefault(path.name.partition(".")[0], []).append((path, path.stat()))
+    total = sum(status.st_size for files in entries.values() for _, status in files)
+    by_age = sorted(entries, key=lambda d: max(status.st_mtime_ns for _, status in entries[d]))
+    for digest in by_age:
+        if total <= limit:
+            return
+        if digest == keep:
+            continue
+        for path, status in entries[digest]:
+            path.unlink(missing_ok=True)
+            total -= status.st_size
+
+
+def _secret(directory: Path) -> bytes | None:
+    """This directory's key for the files' authentication codes, created on first use; None
+    (warned once) when it cannot be made or is not safe: others could read it (and forge a
+    program) or it is not a key this cache made."""
+    path = directory / ".key"
+    try:
+        if not path.exists():
+            secret = secrets.token_bytes(_KEY_BYTES)
+            fd, temporary = tempfile.mkstemp(dir=directory, prefix=".writing-")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(secret)
+                os.link(temporary, path)  # fails if another process made it first
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(temporary)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as f:
+            status = os.fstat(f.fileno())
+            secret = f.read(_KEY_BYTES + 1)
+    except OSError as e:
+        _refuse(directory, f"its key file {path} cannot be made or read ({e})")
+        return None
+    why = _unsafe_key(status, len(secret))
+    if why is not None:
+        _refuse(directory, f"its key file {path} {why}")
+        return None
+    return secret
+
+
+def _unsafe_key(status: os.stat_result, size: int) -> str | None:
+    if not stat.S_ISREG(status.st_mode):
+        return "is not a plain file"
+    if hasattr(os, "getuid") and status.st_uid != os.getuid():
+        return "belongs to another user"
+    if status.st_mode & 0o077:
+        return "can be read or written by others (chmod 600 it, or delete it and the programs)"
+    if size != _KEY_BYTES:
+        return f"holds {size} bytes, not {_KEY_BYTES} (delete it and the programs)"
+    return None
 
 
 def _read(key: Key, path: Path) -> dict | None:
@@ -255,7 +358,7 @@ def _read(key: Key, path: Path) -> dict | None:
     except FileNotFoundError:
         return None
     mac, data = raw[:32], raw[32:]
-    expected = hmac.new(_secret(key.directory), data, hashlib.sha256).digest()
+    expected = hmac.new(key.secret, data, hashlib.sha256).digest()
     if not hmac.compare_digest(mac, expected):
         _runtime.log_rank0("data_parallel: ignoring cache file %s: not written by this cache", path)
         return None
@@ -303,6 +406,9 @@ def load(
     payload = _read(key, key.program_path(choice.cap))
     if payload is None:
         return None
+    for file in (key.profile_path(), key.program_path(choice.cap)):
+        with contextlib.suppress(OSError):  # a read-only directory
+            os.utime(file)  # recently used: the last to be evicted
     constants = torch.load(io.BytesIO(payload["tensors"]), weights_only=True)
     constants = {name: t.to(device) for name, t in constants.items()}
     for name, (path, shape, dtype, digest) in payload["located"].items():
