@@ -88,6 +88,13 @@ def save(path: PathLike, tree: TensorTree, *, rank0_only: bool = True) -> None:
     raises instead of writing. With ``rank0_only=False`` every rank that calls ``save`` writes
     its own file (pass a different ``path`` per rank) and waits for no other rank: that is the
     way to save from one rank alone, e.g. ``if fddp.rank() == 0: save(p, t, rank0_only=False)``.
+    A file of a tree holding sharded state (``shard_params``, ``shard_state``) records the rank
+    that saved it and the world size, and :func:`load` refuses it on another rank.
+
+    A ``rank0_only`` save of a tree holding a ``fddp.LowCommState`` (DiLoCo, LocalSGD), beside
+    which the inner parameters and optimizer state are per-rank between synchronizations,
+    first compares a digest of every leaf across the ranks (one all-reduce) and refuses
+    values that differ: rank 0's would be the only ones written.
 
     Note:
         This writes one file from one process. For sharded optimizer state
@@ -105,6 +112,9 @@ def save(path: PathLike, tree: TensorTree, *, rank0_only: bool = True) -> None:
             ``fddp.optim.shard_state`` (each rank has its own shard: save it with
             :func:`fddp.save_sharded`); nothing is written.
         OSError: If writing fails (disk full, permissions), with its ``errno`` and ``path``.
+        UsageValueError: (a ``ValueError``) With ``rank0_only=True`` on more than one rank, if
+            the tree holds a ``LowCommState`` and a leaf differs between ranks (named, with the
+            fix); raised on every rank, nothing is written.
         SaveArrivalError: (a ``ValueError`` and a ``RankFailureError``) If a rank did not call
             ``save`` in time with ``rank0_only=True``; nothing is written.
         RankFailureError: If another rank died or the process group already failed.
@@ -276,9 +286,12 @@ def load(path: PathLike, like: TensorTree | None = None) -> TensorTree:
 
     Raises:
         FileNotFoundError: If ``path`` does not exist.
-        ValueError: If the file is corrupted, truncated, not an fddp checkpoint, holds
-            objects other than tensors and plain values, or does not match ``like``; the
-            message names the mismatching leaves.
+        ValueError: If the file is corrupted, truncated, not an fddp checkpoint, or holds
+            objects other than tensors and plain values.
+        UsageValueError: (a ``ValueError``) If the file does not match ``like`` (the message
+            names the mismatching leaves), or holds the shards of another rank or of another
+            number of ranks (saved per rank with sharded state: each rank loads its own file;
+            ``fddp.save_sharded`` reshards).
 
     Example:
         >>> import os, tempfile, torch

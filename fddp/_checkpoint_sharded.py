@@ -140,7 +140,8 @@ def _check_layouts(path: str, saved: Any, like: Any) -> None:
         got = saved.get(key)
         if not isinstance(got, dict):
             continue  # not saved as fully sharded parameters: DCP's keys say so
-        name = {p: key + p if p != "<root>" else key for p in want["paths"] + got["paths"]}
+        prefix = "" if key == "<root>" else key
+        name = {p: prefix + p if p != "<root>" else key for p in want["paths"] + got["paths"]}
         _check_structure(
             path,
             [name[p] for p in want["paths"]],
@@ -268,11 +269,16 @@ def save_sharded(
     Args:
         path: the checkpoint directory (created if missing; on a file system every rank sees).
         tree: the pytree to save; leaves are tensors or bool/int/float/str values.
-        group: the process group the state is sharded over (default: the world).
+        group: the process group the state is sharded over (default: the world): the one its
+            layouts were cut over (under hybrid sharding, the shard group). The manifest
+            records its ranks and, for fully sharded parameters, the path, shape and dtype of
+            every leaf of the full tree, which :func:`load_sharded` checks ``like`` against.
 
     Raises:
         TypeError: If a leaf is neither a tensor nor a bool, int, float or str (on any rank);
             nothing is written.
+        UsageValueError: (a ``ValueError``) If the tree's sharded state was cut over another
+            group than ``group``; raised on every rank, nothing is written.
         OSError: If writing fails on any rank (disk full, permissions), with its ``errno``, on
             every rank; the message names the rank and ``path``.
         RankFailureError: If another rank died or the process group already failed.
@@ -381,7 +387,10 @@ def load_sharded(
     (a pickle) is unpickled with an allowlist of DCP's metadata classes and the torch types
     they hold, and saved non-tensor leaves with ``weights_only=True``, so no code from the
     checkpoint runs. The saved leaves must match ``like`` leaf for leaf (the same paths,
-    shapes, dtypes and types): nothing is cast. A plain ``torch.distributed.checkpoint``
+    shapes, dtypes and types): nothing is cast; fully sharded parameters are matched by the
+    full tree they were cut from, leaf by leaf. Rank 0 of ``group`` reads the manifest and the
+    other ranks open the data directory it names, so every rank loads the same save even
+    while another save to ``path`` publishes a new one. A plain ``torch.distributed.checkpoint``
     directory without a manifest (written by an older fddp) is read the same way, with no
     checksums to verify. Each rank holds a shared lock on the data directory while it reads,
     so a save to ``path`` meanwhile does not remove it.
@@ -389,7 +398,8 @@ def load_sharded(
     Args:
         path: the checkpoint directory.
         like: a tree of the same structure; its values are not read, only its shapes.
-        group: the process group the state is sharded over (default: the world).
+        group: the process group the state is sharded over (default: the world): the one the
+            layouts of ``like`` were cut over.
 
     Returns:
         A new tree like ``like`` holding the saved values.
@@ -398,8 +408,11 @@ def load_sharded(
         FileNotFoundError: If ``path`` is missing or holds no checkpoint (a save interrupted
             before it published one leaves none).
         ValueError: If a file is corrupted or truncated (named), not a checkpoint, holds
-            objects other than tensors and plain values, or the checkpoint does not match
-            ``like`` (the message names the leaves); raised on every rank.
+            objects other than tensors and plain values, or a rank cannot open the save rank
+            0 opened (not a shared file system); raised on every rank.
+        UsageValueError: (a ``ValueError``) If the checkpoint does not match ``like`` (the
+            message names the leaves), or ``like``'s sharded state was cut over another group
+            than ``group``; raised on every rank.
         OSError: If reading fails (permissions, I/O errors), with its ``errno``.
         RankFailureError: If another rank died or the process group already failed.
     """
