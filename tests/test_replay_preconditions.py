@@ -285,7 +285,7 @@ def _run(step, args, monkeypatch, *, replay: bool) -> tuple[list[torch.Tensor], 
         m.setattr(_repeated, "ENABLED", replay)
         m.setattr(_repeated, "_Call", counted)
         captured = captured_step(step, args)
-    assert captured.graph is not None
+    assert captured.graph is not None and captured.method == "make_fx"
     tensors = [x.clone() for x in optree.tree_leaves(args) if isinstance(x, torch.Tensor)]
     return list(captured.graph(*tensors)), len(replayed)
 

@@ -453,7 +453,10 @@ class _Walk:
             self.places[(place.kind, id(place.where), place.name)] = place
         if _immutable(value) or isinstance(value, enum.Enum):
             return
-        if isinstance(value, types.ModuleType):
+        if isinstance(value, (tuple, frozenset)):  # isinstance's classes, say
+            for item in value:
+                self.value(item, None)
+        elif isinstance(value, types.ModuleType):
             if not _trusted(value.__name__):
                 self.namespaces[id(value)] = value
         elif isinstance(value, type):
@@ -959,7 +962,8 @@ def _value(step: _Step, fake_mode: FakeTensorMode, value_of: Callable[[fx.Node],
     if step.result == "fresh":
         val = template.meta["val"]
         return (
-            [_fresh(v, fake_mode) for v in val]
+            # a backward's results for inputs that need no gradient are None
+            [None if v is None else _fresh(v, fake_mode) for v in val]
             if isinstance(val, (list, tuple))
             else (_fresh(val, fake_mode))
         )
