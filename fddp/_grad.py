@@ -11,6 +11,7 @@ import torch
 from torch.fx import traceback as fx_traceback
 
 from fddp._annotations import FORWARD
+from fddp._errors import UsageValueError
 from fddp._tree import leaves_with_paths, tensor_leaves
 
 
@@ -83,7 +84,9 @@ def value_and_grad(
                 )
             return out
 
-        grad_lists, (value, aux) = _grad_of_flat(flat_f, len(nums), [leaves for leaves, _ in flat])
+        grad_lists, (value, aux) = _grad_of_flat(
+            flat_f, len(nums), [leaves for leaves, _ in flat], argnums
+        )
         grads = tuple(optree.tree_unflatten(spec, g) for (_, spec), g in zip(flat, grad_lists))
         result = grads[0] if isinstance(argnums, int) else grads
         return ((value, aux) if has_aux else value), result
@@ -91,13 +94,20 @@ def value_and_grad(
     return wrapper
 
 
-def _grad_of_flat(flat_f: Callable[..., Any], n: int, leaf_lists: list[list[torch.Tensor]]) -> Any:
+def _grad_of_flat(
+    flat_f: Callable[..., Any],
+    n: int,
+    leaf_lists: list[list[torch.Tensor]],
+    argnums: int | Sequence[int],
+) -> Any:
     """torch.func.grad of ``flat_f -> (value, aux)``; aux may hold any leaves, not only tensors."""
     aux_box: list[Any] = []
 
     def with_value(*lists: list[torch.Tensor]) -> Any:
         with fx_traceback.annotate({FORWARD: True}):  # tells a trace's forward from backward
             value, aux = flat_f(*lists)
+        if isinstance(value, torch.Tensor) and not value.requires_grad:
+            raise _unreachable_loss(argnums)
         leaves, spec = optree.tree_flatten((value, aux))
         aux_box.append((spec, leaves))
         return value, [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -107,6 +117,19 @@ def _grad_of_flat(flat_f: Callable[..., Any], n: int, leaf_lists: list[list[torc
     it = iter(tensors)
     leaves = [next(it) if isinstance(x, torch.Tensor) else x for x in leaves]
     return grads, optree.tree_unflatten(spec, leaves)
+
+
+def _unreachable_loss(argnums: int | Sequence[int]) -> UsageValueError:
+    """The error for a loss that no differentiated argument reaches: torch.func.grad, which
+    tracks only the arguments it was given, would return zeros for every gradient."""
+    return UsageValueError(
+        f"the differentiated function's value does not depend on argnums={argnums!r}: every "
+        "gradient would be zero and the parameters would never change. Usually the loss calls "
+        "the model itself (`model(x)`), which computes with the module's own parameters, not "
+        "the ones passed in: build `apply = fddp.functional(model)` once and call "
+        "`apply(params, buffers, x)` inside the loss. (A torch.no_grad() block or a .detach() "
+        "between the arguments and the value cuts the path the same way.)"
+    )
 
 
 def grad(
