@@ -169,11 +169,19 @@ def _is_numpy(obj: Any, kind: str) -> bool:
     return numpy is not None and isinstance(obj, getattr(numpy, kind))
 
 
+_ACCESS = {"closure": ".__closure__", "global": ".__globals__", "item": ""}
+
+
 def _describe(path: Path) -> str:
-    """``path`` as the code that reaches it might read."""
+    """``path`` as Python that reaches the object."""
     text = "step" if path[0] == ("root", 0) else f"static argument {path[0][1] - 1}"
     for step, key in path[1:]:
-        text += f"[{key!r}]" if step in ("item", "closure") else "" if step == "vars" else f".{key}"
+        if step == "import":
+            text = f"sys.modules[{key!r}]"
+        elif step in ("closure", "global", "item"):
+            text += f"{_ACCESS[step]}[{key!r}]"
+        elif step != "vars":
+            text += f".{key}"
     return text
 
 

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -231,3 +232,28 @@ def test_an_upgraded_installed_library(tmp_path):
     upgraded = run()
     assert upgraded["how"] == "make_fx"
     assert upgraded["out"] == upgraded["eager"] != first["out"]
+
+
+def test_a_step_reaching_state_it_cannot_read_is_compiled_in_memory(cache, monkeypatch):
+    """A generator's state is C state, not in the key: the step is not cached (one warning)."""
+    monkeypatch.setattr(fddp._persistent_cache, "_said", set(), raising=False)
+    generator = torch.Generator()
+
+    def step(w, x):
+        scale = float(generator.initial_seed())
+        g = fddp.grad(lambda w: ((x @ w) * scale).pow(2).mean())(w)
+        return w - 0.01 * fddp.pmean(g)
+
+    generator.manual_seed(2)
+    with pytest.warns(UserWarning, match=r"step\.__closure__\[0\] is a Generator"):
+        before, how = _run(step)
+    assert how == "make_fx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        assert _run(step)[1] == "make_fx"
+        generator.manual_seed(3)
+        out, how = _run(step)
+    assert how == "make_fx"
+    assert_trees_equal(out, step(W, X))
+    assert not torch.equal(out, before)
+    assert list(cache.rglob("*.program")) == []
