@@ -103,7 +103,10 @@ def _library_versions(name: str) -> tuple[Any, ...]:
         return ()
     found = _distributions(tuple(sys.path)).get(top)
     if found:
-        return tuple((dist, importlib.metadata.version(dist)) for dist in sorted(set(found)))
+        try:
+            return tuple((dist, importlib.metadata.version(dist)) for dist in sorted(set(found)))
+        except importlib.metadata.PackageNotFoundError:  # removed since it was listed
+            pass
     return ("source", _module_source_digest(sys.modules.get(name)))
 
 
@@ -113,9 +116,9 @@ def _module_source_digest(module: types.ModuleType | None) -> str:
         return ""
     try:
         status = os.stat(file)
-    except OSError:
-        return ""
-    return _file_digest(file, status.st_mtime_ns, status.st_size)
+        return _file_digest(file, status.st_mtime_ns, status.st_size)
+    except OSError as e:
+        raise Unfingerprintable(f"the module source {file} cannot be read ({e})") from None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -247,7 +250,10 @@ class _Walk:
         elif isinstance(obj, (types.BuiltinFunctionType, types.WrapperDescriptorType)) or (
             callable(obj) and type(obj).__module__ in ("builtins", "torch._ops", "torch._C")
         ):
-            self.emit("builtin", getattr(obj, "__module__", None), _qualname(obj))
+            module = getattr(obj, "__module__", None)
+            if isinstance(module, str) and module in sys.modules:
+                self.libraries.add(module)  # a C extension's function: its version keys it
+            self.emit("builtin", module, _qualname(obj))
         elif isinstance(obj, (list, tuple)):
             self.emit(type(obj).__qualname__, len(obj))
             if type(obj) not in (list, tuple):
