@@ -269,7 +269,10 @@ def save(key: Key, compiled: Compiled) -> None:
                 "writable)."
             )
             return
-    _evict(key.directory, _max_bytes, keep=key.digest)
+    try:
+        _evict(key.directory, _max_bytes, keep=key.digest)
+    except OSError as e:
+        _warn_once(f"fddp: could not remove old programs from {key.directory} ({e}).")
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
@@ -355,7 +358,7 @@ def _read(key: Key, path: Path) -> dict | None:
         if hasattr(os, "getuid") and path.stat().st_uid != os.getuid():
             return None
         raw = path.read_bytes()
-    except FileNotFoundError:
+    except OSError:  # gone (evicted), or unreadable: compiled afresh
         return None
     mac, data = raw[:32], raw[32:]
     expected = hmac.new(key.secret, data, hashlib.sha256).digest()
