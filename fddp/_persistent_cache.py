@@ -181,8 +181,9 @@ def key_for(
     donated: set[int],
     group: dist.ProcessGroup | None,
 ) -> Key | None:
-    """The cache key of compiling ``step_fn`` for ``signature``; None when the cache is off or
-    the step reaches too much to fingerprint."""
+    """The cache key of compiling ``step_fn`` for ``signature``; None (warned once) when the
+    cache is off, its directory or key file is not safe, or the step reaches what cannot be
+    fingerprinted."""
     directory = cache_dir()
     if directory is None:
         return None
