@@ -16,7 +16,13 @@ It applies only where the result is the graph make_fx would write, up to the ord
 within a block's backward: inside fddp's make_fx capture with the fused backward, under exactly
 one ``torch.func.grad`` that nothing differentiates again, for blocks whose every attribute is a
 plain value (no tensors, hooks or containers), whose template holds only aten ops with tensor
-results, and that write none of their inputs. Anything else is traced as before.
+results, that write none of their inputs and return no outputs sharing storage. A call's key
+holds all the template's trace reads: its tensors' layouts, functorch levels and
+``requires_grad``, its plain values (floats by their bits), and what the block's code reads
+outside its attributes, found once per kind of block by reading the code it may run
+(:class:`_Walk`): immutable globals, closure cells and class attributes are read again at each
+call; code that writes state or reads mutable state is not replayed. Anything else is traced
+as before.
 """
 
 from __future__ import annotations
@@ -457,8 +463,10 @@ class _Walk:
             for item in value:
                 self.value(item, None)
         elif isinstance(value, types.ModuleType):
-            if not _trusted(value.__name__):
+            if not _trusted(value.__name__) and id(value) not in self.namespaces:
                 self.namespaces[id(value)] = value
+                if "__getattr__" in vars(value):  # names it makes on demand (submodules)
+                    self.value(vars(value)["__getattr__"], None)
         elif isinstance(value, type):
             self.class_(value, constructed=True)
         elif isinstance(value, types.FunctionType):
