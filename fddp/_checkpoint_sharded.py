@@ -714,8 +714,9 @@ class _Source:
             seen = _published(path) or "none"
             raise ValueError(
                 f"checkpoint {path}: rank 0 loads the save in {manifest['data']}, which this "
-                f"rank cannot open (here {MANIFEST} names {seen}): every rank must see the "
-                "checkpoint on one file system that all of them share."
+                f"rank cannot open (here {MANIFEST} names {seen}): it was removed meanwhile "
+                "(by something that ignores the loading ranks' locks), or the path is not on "
+                "one file system that every rank shares. Load it again, from a shared path."
             )
         return cls._with_metadata(source)
 

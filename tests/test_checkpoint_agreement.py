@@ -97,33 +97,60 @@ def _publish_as_another_job(source: str, path: str) -> None:
     os.replace(os.path.join(path, "manifest.new"), os.path.join(path, MANIFEST))
 
 
-def check_one_save_for_every_rank(tmp: str) -> None:
-    """Row 2: another job publishes save 2 at the path after rank 0 has read the manifest of
-    save 1 and before rank 1 enters load_sharded. Before, rank 1 loaded save 2 (a mixed
-    model); now every rank loads save 1, the one rank 0 opened."""
+def _load_while_another_job_publishes(tmp: str, name: str, remove_first: bool) -> dict:
+    """Every rank loads checkpoint ``name`` (save 1); once rank 0 has read its manifest and
+    before rank 1 enters load_sharded, another job publishes save 2 there (``remove_first``:
+    and deletes save 1's data directory first, ignoring the readers' locks). What each rank
+    loaded, or the error it raised."""
     rank = dist.get_rank()
-    path, other = os.path.join(tmp, "published"), os.path.join(tmp, "other")
+    path, other = os.path.join(tmp, name), os.path.join(tmp, f"{name}-other")
     first, second, like = _sharded_tree(1.0), _sharded_tree(2.0), _sharded_tree(0.0)
     fddp.save_sharded(path, first)
     fddp.save_sharded(other, second)
+    with open(os.path.join(path, MANIFEST)) as f:
+        data = json.load(f)["data"]
     store = dist.distributed_c10d._get_default_store()
+    key = f"{READ_KEY}/{name}"
     read = _checkpoint_sharded._read_manifest
 
     def read_then_tell(directory: str):
         body = read(directory)
-        store.set(READ_KEY, "1")
+        store.set(key, "1")
         return body
 
     if rank == 0:
         _checkpoint_sharded._read_manifest = read_then_tell
     try:
         if rank == 1:
-            store.wait([READ_KEY])
+            store.wait([key])
+            if remove_first:
+                shutil.rmtree(os.path.join(path, data))
             _publish_as_another_job(other, path)
         loaded = fddp.load_sharded(path, like)
+    except ValueError as e:
+        return {"error": str(e), "first": data}
     finally:
         _checkpoint_sharded._read_manifest = read
-    assert_trees_equal(loaded, first)
+    return {"loaded": loaded, "first": first}
+
+
+def check_one_save_for_every_rank(tmp: str) -> None:
+    """Row 2: another job publishes save 2 at the path after rank 0 has read the manifest of
+    save 1 and before rank 1 enters load_sharded. Before, rank 1 loaded save 2 (a mixed
+    model); now every rank loads save 1, the one rank 0 opened."""
+    out = _load_while_another_job_publishes(tmp, "published", remove_first=False)
+    assert "error" not in out, out
+    assert_trees_equal(out["loaded"], out["first"])
+
+
+def check_one_save_or_an_error(tmp: str) -> dict:
+    """Row 2, where the other job also deleted save 1 before rank 1 could open it: before,
+    rank 1 loaded save 2 (a mixed model); now every rank raises, naming both saves."""
+    out = _load_while_another_job_publishes(tmp, "deleted", remove_first=True)
+    if "error" not in out:
+        return {"loaded": out["loaded"]["step"]}
+    with open(os.path.join(tmp, "deleted", MANIFEST)) as f:
+        return {**out, "second": json.load(f)["data"]}
 
 
 def check_fully_sharded_like_by_path(tmp: str) -> dict:
@@ -197,6 +224,7 @@ def check_diloco_rank0_only_mid_way(tmp: str) -> str:
 CHECKS = {
     "hsdp": check_hsdp_over_the_shard_group,
     "one_save": check_one_save_for_every_rank,
+    "one_save_or_an_error": check_one_save_or_an_error,
     "fully_sharded_like": check_fully_sharded_like_by_path,
     "per_rank_file": check_per_rank_file_on_another_rank,
     "diloco": check_diloco_rank0_only_mid_way,
@@ -230,6 +258,18 @@ def test_hsdp_saved_over_the_world_is_refused_and_loads_over_its_group(runs) -> 
 
 def test_every_rank_loads_the_save_rank_0_opened(runs) -> None:
     assert runs["one_save"] == [None] * 4
+
+
+def test_a_save_gone_before_a_rank_opened_it_is_an_error_naming_both(runs) -> None:
+    outcomes = runs["one_save_or_an_error"]
+    for out in outcomes:
+        assert "error" in out, out
+        assert (
+            f"rank 0 loads the save in {out['first']}, which this rank cannot open"
+            in (out["error"])
+        )
+        assert f"names {out['second']}" in out["error"]
+        assert out["first"] != out["second"]
 
 
 def test_fully_sharded_like_is_matched_by_path(runs) -> None:
