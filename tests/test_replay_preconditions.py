@@ -7,6 +7,7 @@ bitwise, and what eager ``torch.func`` computes."""
 from __future__ import annotations
 
 import contextvars
+import functools
 import math
 import random
 from collections.abc import Callable
@@ -16,6 +17,7 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
+from _dist import run_checks
 from _models import captured_step, next_token_loss, token_batch
 from torch import nn
 
@@ -363,3 +365,53 @@ def test_tensors_kept_outside_the_block_are_the_capture_s_own(case, monkeypatch)
 
 def test_plain_blocks_are_still_replayed(monkeypatch):
     assert _check("plain", monkeypatch) == 4
+
+
+def _train(case: str, frozen: tuple[str, ...], *, replay: bool) -> dict[str, torch.Tensor]:
+    """Two data_parallel SGD steps of ``case``'s model on this rank's half of the batch."""
+    model = _model(case)
+    apply = fddp.functional(model)
+    params, buffers = fddp.state(model)
+
+    def step(params, ids):
+        def loss_fn(p):
+            p = {k: v.detach() if k.startswith(frozen) else v for k, v in p.items()}
+            return next_token_loss(apply(p, buffers, ids), ids)
+
+        loss, grads = fddp.value_and_grad(loss_fn)(params)
+        grads = fddp.pmean(grads)
+        return {k: v - 0.1 * grads[k] for k, v in params.items()}, fddp.pmean(loss)
+
+    saved = _repeated.ENABLED
+    _repeated.ENABLED = replay
+    try:
+        pstep = fddp.data_parallel(step)
+        for i in range(2):
+            params, _ = pstep(params, fddp.shard(token_batch(i, 4, length=6)))
+    finally:
+        _repeated.ENABLED = saved
+    return params
+
+
+def check_training(case: str, frozen: tuple[str, ...] = ()) -> list[str]:
+    """The parameters that differ between training with and without replay."""
+    fddp.init()
+    got = _train(case, frozen, replay=True)
+    want = _train(case, frozen, replay=False)
+    return sorted(k for k in want if not torch.equal(got[k], want[k]))
+
+
+CHECKS = {
+    "first block frozen": functools.partial(check_training, "plain", ("blocks.0.",)),
+    "global per layer": functools.partial(check_training, "global per layer"),
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_checks(CHECKS, world_size=2)
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_training_on_two_ranks_equals_training_without_replay(name, two_ranks):
+    assert two_ranks[name] == [[], []]
