@@ -8,20 +8,69 @@ dtype) would issue collectives of other sizes. One all-reduce of a digest of all
 launched as the call starts and settled (waited for, an error on every rank if the ranks
 differ) once, before anything else crosses ranks or is written into a donated argument: at the
 scheduled graph's gate on a cached call, at once before a compile or a first call.
+
+Calls pair off in order, so a rank that skipped or repeated a call would pair its call k with
+another rank's call k+1 and average gradients of other batches. The state a training loop passes
+back advances with every call (an optimizer's step count), so the values of the small tensors
+of the replicated arguments (``check_replicas``) enter the digest as well: such a rank differs in
+them and is named with them. Those are read on the CPU only, where reading costs no device sync.
 """
 
 from __future__ import annotations
 
+import ast
+import time
 from collections.abc import Callable
+from typing import NamedTuple, TypeVar
 
+import optree
+import torch
 import torch.distributed as dist
 
 from fddp import _runtime
 from fddp._agree import Difference, DigestCheck, Line, digest, first_difference, gather_lines
-from fddp._errors import ScheduleMismatchError
+from fddp._errors import RankFailureError, ScheduleMismatchError
+from fddp._sharded_params import sharded_positions
 from fddp._signature import Signature, leaf_paths
 
 _LINES_KEPT = 64  # signatures whose lines are kept for the next calls
+SMALL_NUMEL = 8  # replicated tensors of at most this many elements have their values checked
+_VALUE = "the value of argument leaf "
+_COUNT = "the integer value of argument leaf "  # a step count, say: a skipped call
+T = TypeVar("T")
+
+
+class Known(NamedTuple):
+    """What a signature's calls check: its lines and their digest, and the small replicated
+    tensors (argument position, leaf index within it, path) whose values are read per call."""
+
+    lines: list[Line]
+    value: int
+    small: list[tuple[int, int, str]]
+
+
+def small_replicated(args: tuple, replicated: tuple[int, ...]) -> list[tuple[int, int, str]]:
+    """The leaves of the replicated arguments (but sharded parameters) whose values are read on
+    every call: CPU tensors of at most ``SMALL_NUMEL`` elements, as (argument, leaf index,
+    path); integer ones first, as a step count names a skipped call best."""
+    sharded = sharded_positions(args)
+    found = []
+    for n in sorted({n % len(args) for n in replicated if -len(args) <= n < len(args)}):
+        if n in sharded:
+            continue
+        accessors, leaves, _ = optree.tree_flatten_with_accessor(args[n])
+        for i, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.numel() <= SMALL_NUMEL:
+                inexact = x.is_floating_point() or x.is_complex()
+                label = (_VALUE if inexact else _COUNT) + accessors[i].codify(f"[{n}]")
+                found.append((inexact, n, i, label))  # e.g. [1][0].count
+    return [(n, i, label) for _, n, i, label in sorted(found, key=lambda f: f[0])]
+
+
+def value_lines(args: tuple, small: list[tuple[int, int, str]]) -> list[Line]:
+    """The values of the small replicated tensors of this call, as labelled lines."""
+    leaves = {n: optree.tree_leaves(args[n]) for n in {n for n, _, _ in small}}
+    return [(label, str(leaves[n][i].tolist())) for n, i, label in small]
 
 
 class Pending:
@@ -38,21 +87,57 @@ class Pending:
         (a world of one)."""
         self._check, self._lines = check, lines
         self._on_argument_mismatch = on_argument_mismatch
+        self._call = check.calls
+        self._start = time.monotonic()
         self._group = check.group()
-        self._in_flight = None if value is None else DigestCheck(value, self._group)
+        self._in_flight = None
+        if value is not None:
+            self._in_flight = self._failing_alike(lambda: DigestCheck(value, self._group))
+
+    def _failing_alike(self, collective: Callable[[], T]) -> T:
+        """Run ``collective``; a peer that died or hangs is a :class:`RankFailureError` that
+        names the step and this call."""
+        try:
+            return collective()
+        except RuntimeError as e:
+            if isinstance(e, RankFailureError) or not _runtime.is_peer_failure(e):
+                raise
+            where = f"{self._check.name}, call {self._call}"
+            raise _runtime.peer_failure(e, where, time.monotonic() - self._start) from e
 
     def settle(self) -> None:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
             return
-        if in_flight.same():
+        if self._failing_alike(lambda: in_flight if in_flight.same() else None) is not None:
             self._check.agreed()
             return
-        everyone = gather_lines(self._lines, self._group)
+        everyone = gather_lines([*self._lines, ("the call", str(self._call))], self._group)
+        difference = first_difference(everyone)
+        # integers that differ (a step count) are a skipped or repeated call; other values,
+        # replicas drifting apart, which the replicated arguments' own check names better
+        counted = difference.label.startswith(_COUNT)
         built = self._check.described_lines
-        if all(theirs[:built] == everyone[0][:built] for theirs in everyone):
+        if not counted and all(theirs[:built] == everyone[0][:built] for theirs in everyone):
             self._on_argument_mismatch()  # every rank calls it: it may compare more
-        raise _mismatch(self._check.name, first_difference(everyone))
+        if difference.label.startswith((_COUNT, _VALUE)):
+            raise _skipped(self._check.name, self._call, difference)
+        raise _mismatch(self._check.name, difference)
+
+
+def _skipped(name: str, call: int, difference: Difference) -> ScheduleMismatchError:
+    what = _relabelled(difference, difference.label.removeprefix(_COUNT).removeprefix(_VALUE))
+    return ScheduleMismatchError(
+        f"{name}, call {call} on this rank: a replicated argument differs between ranks: "
+        f"{what}: a rank skipped or repeated a call (calls pair off in order: every rank must "
+        "call the step as often as the others, passing back the state its last call returned), "
+        "or changed its replicated state on its own. Nothing of this call has run; resume all "
+        "ranks from the same checkpoint."
+    )
+
+
+def _relabelled(difference: Difference, label: str) -> Difference:
+    return Difference(difference.rank, label, difference.theirs, difference.ours)
 
 
 def _mismatch(name: str, difference: Difference) -> ScheduleMismatchError:
@@ -92,13 +177,19 @@ class CallCheck:
         options: list[Line],
         *,
         own_group: bool,
+        replicated: tuple[int, ...] | None = None,
     ) -> None:
+        """``replicated``: the argument positions that hold the same values on every rank
+        (the step's ``check_replicas``); by default, as its ``option check_replicas`` line
+        says."""
         self.name, self._group, self._options = name, group, options
         self.described_lines = 1 + len(options)  # the request, then how the step was built
         self._own_group = own_group
+        self._replicated = _replicated(options) if replicated is None else replicated
         self._side: dist.ProcessGroup | None = None
         self._agreed_once = False
-        self._lines: dict[tuple[Signature, str], tuple[list[Line], int]] = {}
+        self._lines: dict[tuple[Signature, str], Known] = {}
+        self.calls = 0  # calls of the step launched on this rank, this one included
 
     def launch(
         self,
@@ -113,6 +204,7 @@ class CallCheck:
         differ only in their arguments, before the error is raised: a check of its own that
         can name the difference better (the replicated arguments' digests) may raise first.
         """
+        self.calls += request == "called the step"
         if _runtime.world_size(self._group) == 1:
             return Pending(self, [], None, on_argument_mismatch)
         key = (signature, request)
@@ -122,8 +214,13 @@ class CallCheck:
                 self._lines.clear()
             arguments = signature.lines(leaf_paths(args))
             lines = [("the request", request), *self._options, *arguments]
-            known = self._lines[key] = (lines, digest(lines))
-        lines, value = known
+            small = small_replicated(args, self._replicated)
+            known = self._lines[key] = Known(lines, digest(lines), small)
+        lines, value = known.lines, known.value
+        if known.small:
+            values = value_lines(args, known.small)
+            lines = [*lines, *values]
+            value = digest([("the signature", str(value)), *values])
         return Pending(self, lines, value, on_argument_mismatch)
 
     def agreed(self) -> None:
@@ -135,3 +232,11 @@ class CallCheck:
         if self._own_group and self._agreed_once and self._side is None:
             self._side = _runtime.side_group(self._group)
         return self._side or self._group
+
+
+def _replicated(options: list[Line]) -> tuple[int, ...]:
+    """The positions an ``option check_replicas`` line names (none without one)."""
+    for label, value in options:
+        if label == "option check_replicas":
+            return tuple(ast.literal_eval(value))
+    return ()

@@ -1,6 +1,8 @@
 """The pipeline from a step to a runnable program, in DESIGN.md's order: capture (make_fx, else
 Dynamo), replication analysis, bucket, overlap, reinplace, describe, build; then the ranks
-compare what they compiled."""
+compare what they compiled: the capture's outcome, the collective sequence and every node of the
+scheduled graph with its constants (a rank whose step closes over another learning rate would
+otherwise drift apart silently)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import torch
+from torch import fx
 
 from fddp._agree import Difference, Line
 from fddp._bucket_policy import CapPolicy, Choice
@@ -27,7 +31,10 @@ from fddp._schedule import (
     _replication,
 )
 from fddp._schedule._capture import Captured, capture
+from fddp._schedule._graph import is_collective
 from fddp._schedule._program import Compiled, Program, collector_paused
+from fddp._sharded_params import ShardedParams
+from fddp._zero import ShardedState
 
 BACKENDS = ("fx", "inductor")  # run the scheduled FX graph, or compile it with Inductor
 
@@ -169,6 +176,8 @@ def compile_step(
     lines = [("the capture", status.split("\n")[0])]
     sequence = compiled.program.sequence if compiled else []
     lines += [(f"collective #{i}", s) for i, s in enumerate(sequence)]
+    if compiled and not holds_shards(args):
+        lines += graph_lines(compiled.program.graph)
     difference = compare(lines)
     if error is not None:
         raise error
@@ -185,8 +194,79 @@ def compile_step(
             f"{name}: rank {failed_rank} {failure.removeprefix('failed with ')} while "
             "capturing the step; this rank stops too instead of waiting for it."
         )
+    if difference.label.startswith("node "):
+        raise ScheduleMismatchError(
+            f"{name}: ranks compiled different graphs: {difference}: every rank must build "
+            "the step with the same settings (optimizer hyperparameters, constants and "
+            "modules the step closes over). A value meant to differ per rank comes from "
+            "fddp.axis_index() or from the batch."
+        )
     raise ScheduleMismatchError(
         f"{name}: ranks compiled different collective sequences: {difference}. The step must "
         "issue the same collectives with the same shapes on every rank: check that every rank "
         "passes batches of the same shape and that no branch depends on the rank."
     )
+
+
+def holds_shards(args: tuple) -> bool:
+    """Whether ``args`` hold sharded parameters or optimizer state: each rank's graph then
+    updates its own shards, with nodes of its own, so the graphs are not compared."""
+    sharded = (ShardedParams, ShardedState)
+    leaves = optree.tree_leaves(args, is_leaf=lambda x: isinstance(x, sharded), none_is_leaf=True)
+    return any(isinstance(x, sharded) for x in leaves)
+
+
+def graph_lines(gm: fx.GraphModule) -> list[Line]:
+    """Every node of ``gm`` as a labelled line, comparable across ranks: its operator and its
+    arguments, with the constants among them.
+
+    What differs per rank by construction is left out: integers (the rank, and the offsets of
+    its own rows, enter the graph as integers; shapes are agreed with the signature), the device
+    index (rank r computes on cuda:r), the values of tensor constants (``axis_index`` is one),
+    of which only dtype and shape are compared, and the constants of collectives (their process
+    group's name is per process; the collective sequence compares them).
+    """
+    lines = []
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = getattr(gm, str(node.target), None)
+            text = (
+                f"constant {value.dtype} {list(value.shape)}"
+                if isinstance(value, torch.Tensor)
+                else f"constant {type(value).__name__}"
+            )
+        elif is_collective(node):  # its group's name is per process: the sequence has it
+            text = f"{_target(node.target)}({_portable(node.all_input_nodes)})"
+        elif node.op == "call_function":
+            text = f"{_target(node.target)}({_portable(node.args)}, {_portable(node.kwargs)})"
+        else:
+            text = f"{node.op}({_portable(node.args)})"
+        lines.append((f"node '{node.name}'", text))
+    return lines
+
+
+def _target(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', target)}"
+
+
+def _portable(value: Any) -> str:
+    """``value`` as text that two ranks that built the step alike write alike."""
+    if isinstance(value, fx.Node):
+        return value.name
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, (float, str, torch.dtype, torch.layout, torch.memory_format)):
+        return repr(value)
+    if isinstance(value, torch.device):
+        return value.type
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_portable(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_portable(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, slice):
+        return f"slice({_portable((value.start, value.stop, value.step))})"
+    return type(value).__name__
