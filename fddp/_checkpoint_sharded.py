@@ -131,6 +131,21 @@ def _layouts(tree: Any) -> dict[str, dict[str, list]]:
     return out
 
 
+def _well_formed(layout: Any) -> bool:
+    """Whether a manifest's record of a full tree is what :func:`_layouts` writes."""
+    if not isinstance(layout, dict):
+        return False
+    paths, shapes, dtypes = (layout.get(k) for k in ("paths", "shapes", "dtypes"))
+    return (
+        isinstance(paths, list)
+        and isinstance(shapes, list)
+        and isinstance(dtypes, list)
+        and len(paths) == len(shapes) == len(dtypes) == len(set(map(str, paths)))
+        and all(isinstance(p, str) and isinstance(d, str) for p, d in zip(paths, dtypes))
+        and all(isinstance(s, list) and all(type(n) is int for n in s) for s in shapes)
+    )
+
+
 def _check_layouts(path: str, saved: Any, like: Any) -> None:
     """Compare the full trees of ``like``'s fully sharded parameters with those saved (a
     manifest's ``layouts``; None for a checkpoint that has none), leaf by leaf and by path."""
@@ -138,8 +153,13 @@ def _check_layouts(path: str, saved: Any, like: Any) -> None:
         return
     for key, want in _layouts(like).items():
         got = saved.get(key)
-        if not isinstance(got, dict):
+        if got is None:
             continue  # not saved as fully sharded parameters: DCP's keys say so
+        if not _well_formed(got):
+            raise ValueError(
+                f"checkpoint {path} is corrupted ({MANIFEST}: the full tree of {key} is not "
+                f"lists of paths, shapes and dtypes of one length){_BROKEN_ADVICE}"
+            )
         prefix = "" if key == "<root>" else key
         name = {p: prefix + p if p != "<root>" else key for p in want["paths"] + got["paths"]}
         _check_structure(
