@@ -220,6 +220,21 @@ class AuxInGlobal(Residual):
         return x + F.gelu(h)
 
 
+class AuxInArgument(Residual):
+    def forward(self, x: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
+        h = self.fc(x)
+        aux.append(h.pow(2).mean())
+        return x + F.gelu(h)
+
+
+class AuxArgumentDecoder(Decoder):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x, aux = self.tok(ids), []
+        for block in self.blocks:
+            x = block(x, aux)
+        return self.head(x) + sum(aux)
+
+
 class AuxDecoder(Decoder):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         AUX.clear()
@@ -252,6 +267,8 @@ def _model(case: str, n: int = 4) -> nn.Module:
         return Decoder([Signed(z) for z in (0.0, -0.0) * 3])
     if case == "aux loss on self":
         return AuxDecoder([AuxOnSelf() for _ in range(n)])
+    if case == "aux loss in a list argument":
+        return AuxArgumentDecoder([AuxInArgument() for _ in range(n)])
     if case == "aux loss in a global list":
         return AuxDecoder([AuxInGlobal() for _ in range(n)])
     return Decoder([Residual() for _ in range(n)])
@@ -358,7 +375,9 @@ def test_zero_and_negative_zero_attributes_get_two_templates(monkeypatch):
     assert _check("signed zeros", monkeypatch) == 6
 
 
-@pytest.mark.parametrize("case", ["aux loss on self", "aux loss in a global list"])
+@pytest.mark.parametrize(
+    "case", ["aux loss on self", "aux loss in a global list", "aux loss in a list argument"]
+)
 def test_tensors_kept_outside_the_block_are_the_capture_s_own(case, monkeypatch):
     _check(case, monkeypatch)
 

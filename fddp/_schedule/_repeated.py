@@ -591,7 +591,9 @@ def _replaying_forward(
         leaves, spec = optree.tree_flatten((args, kwargs))
         tensor_args = [x for x in leaves if isinstance(x, torch.Tensor)]
         others = [x for x in leaves if not isinstance(x, torch.Tensor)]
-        if reads is None or not _plain_value(others):  # a cache object, say, the block changes
+        # a cache object, say, or a list the block appends to: the template would change its
+        # own copy, rebuilt from the spec
+        if reads is None or not _plain_value(others) or _holds_mutable((args, kwargs)):
             return original(*args, **kwargs)
         state = {
             **dict(block.named_parameters(remove_duplicate=False)),
@@ -629,6 +631,19 @@ def _replaying_forward(
         )
 
     return forward
+
+
+def _holds_mutable(arguments: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
+    """Whether a call's arguments hold a list, dict or set (``kwargs`` itself aside)."""
+    args, kwargs = arguments
+    pending = [*args, *kwargs.values()]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, (list, dict, set)):
+            return True
+        if isinstance(value, tuple):
+            pending.extend(value)
+    return False
 
 
 def _may_replay() -> bool:
