@@ -101,13 +101,41 @@ def _library_versions(name: str) -> tuple[Any, ...]:
         return ()
     if name in sys.builtin_module_names:
         return ()
-    found = _distributions(tuple(sys.path)).get(top)
-    if found:
-        try:
-            return tuple((dist, importlib.metadata.version(dist)) for dist in sorted(set(found)))
-        except importlib.metadata.PackageNotFoundError:  # removed since it was listed
-            pass
-    return ("source", _module_source_digest(sys.modules.get(name)))
+    found = _versions(top, tuple(sys.path))
+    return found if found else ("source", _module_source_digest(sys.modules.get(name)))
+
+
+@functools.cache
+def _versions(top: str, search_path: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """The (name, version) of each distribution that provides the top-level module ``top``."""
+    own = _own_distribution(top)
+    if own is not None:
+        return ((own.metadata["Name"], own.version),)
+    found = _distributions(search_path).get(top, [])
+    try:
+        return tuple((dist, importlib.metadata.version(dist)) for dist in sorted(set(found)))
+    except importlib.metadata.PackageNotFoundError:  # removed since it was listed
+        return ()
+
+
+def _own_distribution(top: str) -> importlib.metadata.Distribution | None:
+    """The distribution named ``top`` if it provably installed the module ``top`` that is
+    loaded (a regular package or module, which one distribution owns), without listing every
+    installed distribution; None when that is not proven."""
+    file = getattr(sys.modules.get(top), "__file__", None)
+    try:
+        dist = importlib.metadata.distribution(top)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if not isinstance(file, str) or not pathlib.Path(file).is_relative_to(
+        str(dist.locate_file(""))
+    ):
+        return None
+    listed = dist.read_text("top_level.txt")
+    if listed is not None:
+        return dist if top in listed.split() else None
+    files = dist.files or []
+    return dist if any(f.parts[0] in (top, f"{top}.py") for f in files) else None
 
 
 def _module_source_digest(module: types.ModuleType | None) -> str:
