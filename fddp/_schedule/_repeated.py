@@ -232,6 +232,7 @@ _IMMUTABLE = (
     bytes,
     type(None),
     type(Ellipsis),
+    type(NotImplemented),
     range,
     torch.dtype,
     torch.device,
@@ -339,7 +340,10 @@ class _Reads:
         the one analysed."""
         found = []
         for place in self.places:
-            value = place.read()
+            try:
+                value = place.read()
+            except (KeyError, ValueError) as e:  # a global deleted, a cell emptied
+                raise _NotReplayable(f"{place.name} is gone") from e
             if place.plain:
                 if not _immutable(value):
                     raise _NotReplayable(f"{place.name} is no longer a plain value")
@@ -487,7 +491,12 @@ class _Walk:
             owner = value.__self__
             if owner is builtins and value.__name__ in _DENIED_BUILTINS:
                 raise _NotReplayable(f"calls {value.__name__}")
-            if not (owner is None or isinstance(owner, types.ModuleType) or _immutable(owner)):
+            if not (
+                owner is None
+                or isinstance(owner, types.ModuleType)
+                or _immutable(owner)
+                or (isinstance(owner, type) and _trusted(owner.__module__))  # tuple.__new__
+            ):
                 raise _NotReplayable(f"{value} is a method bound to an object")
         elif not isinstance(value, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
             raise _NotReplayable(f"reads a {type(value).__name__}")
