@@ -24,6 +24,7 @@ from fddp import (
     _axes,
     _machine,
     _mesh,
+    _model_calls,
     _pending,
     _persistent_cache,
     _runtime,
@@ -46,7 +47,7 @@ from fddp._replica_guard import (
 from fddp._schedule import _pipeline
 from fddp._schedule._plan import Plan
 from fddp._schedule._program import Compiled
-from fddp._signature import Signature, signature_of
+from fddp._signature import Modes, Signature, signature_of
 
 
 class DataParallelStep:
@@ -79,6 +80,7 @@ class DataParallelStep:
         self._described = described
         self._unsaved: dict[Signature, _persistent_cache.Key] = {}  # to write after a first run
         self._capture_method = "make_fx"  # "dynamo" once make_fx failed: it is not tried again
+        self._modes: Modes | None = None  # the models captures ran: their modes key programs
         self._axis_name = axis_name
         self._options = options
         self._donate_argnums = donate_argnums
@@ -137,7 +139,8 @@ class DataParallelStep:
 
     def _call(self, args: tuple) -> Any:
         _runtime.ensure_group()
-        signature, leaves = signature_of(args)  # a pending output has its value's signature
+        # a pending output has its value's signature
+        signature, leaves = signature_of(args, self._modes)
         if not self._options.overlap_steps and any(map(_pending.is_pending, leaves)):
             args = _pending.finished(args)  # another step's pending outputs, finished first
             leaves = optree.tree_leaves(args)
@@ -149,7 +152,8 @@ class DataParallelStep:
         compiled = self._programs.get(signature)
         if compiled is None or compiled.first_call:
             check.settle()  # before the collectives of a compile or of a first call
-        compiled = compiled or self._compile(signature, args)
+        if compiled is None:
+            signature, compiled = self._compile(signature, args)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         self._before_run(compiled, args, tensors)
         with _timeline.step_range() if self._profiling else contextlib.nullcontext():
@@ -227,16 +231,21 @@ class DataParallelStep:
             raise ValueError(
                 f"{request.removeprefix('called ')} needs a traced step; this one has trace=False."
             )
-        signature, _ = signature_of(args)
+        signature, _ = signature_of(args, self._modes)
         compiled = self._programs.get(signature)
         if compiled is None:
             self._calls.launch(signature, args, request).settle()
-            compiled = self._compile(signature, args)
+            _, compiled = self._compile(signature, args)
         return compiled
 
-    def _compile(self, signature: Signature, args: tuple) -> Compiled:
+    def _compile(self, signature: Signature, args: tuple) -> tuple[Signature, Compiled]:
         """Capture and schedule the step for ``signature`` (every rank at once: it measures
-        the link on the group's first compile and compares what the ranks compiled)."""
+        the link on the group's first compile and compares what the ranks compiled).
+
+        Returns:
+            The program and the signature it is kept under, which holds the train/eval modes
+            of the models the capture ran.
+        """
         self._programs.note_compile(signature, args)
         leaves = optree.tree_leaves(args)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -268,6 +277,7 @@ class DataParallelStep:
                 method=self._capture_method,
             )
         self._capture_method = compiled.captured.method
+        signature = self._with_modes(signature, args, compiled)
         if key is not None and not compiled.from_cache:
             self._unsaved[signature] = key
         _runtime.log_rank0(
@@ -279,7 +289,18 @@ class DataParallelStep:
         if compiled.program.across_steps is not None:
             compiled.program.across_steps.where = self.__name__
         self._programs.put(signature, compiled)
-        return compiled
+        return signature, compiled
+
+    def _with_modes(self, signature: Signature, args: tuple, compiled: Compiled) -> Signature:
+        """``signature`` with the modes of every model the step is known to run, those of
+        this capture included (a program loaded from the persistent cache could have run any
+        model ``fddp.functional`` wraps)."""
+        ran = _model_calls.functional_models() if compiled.from_cache else compiled.captured.models
+        known = self._modes.models if self._modes is not None else ()
+        if all(any(m is k for k in known) for m in ran):
+            return signature
+        self._modes = Modes([*known, *(m for m in ran if not any(m is k for k in known))])
+        return signature_of(args, self._modes)[0]
 
     def _agreed_cap(
         self,

@@ -1,11 +1,13 @@
 """How ``fddp.functional``'s ``apply`` runs a model while a capture watches: the compiler
-installs a hook for the capture (``_schedule._repeated`` traces repeated blocks once), the
-blocks layer's ``apply`` enters it, and neither imports the other."""
+installs a hook for the capture (``_schedule._repeated`` traces repeated blocks once) and
+notes which models the step runs (their train/eval modes key the program), the blocks layer's
+``apply`` enters the hook and notes its model, and neither imports the other."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -14,6 +16,9 @@ from torch import nn
 
 Hook = Callable[[nn.Module], AbstractContextManager[Any]]
 _HOOK: contextvars.ContextVar[Hook | None] = contextvars.ContextVar("fddp_model_hook", default=None)
+# A plain list, not a context variable: Dynamo traces ``note`` inside a user's torch.compile.
+_NOTING: list[list[nn.Module]] = []
+_FUNCTIONAL: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def calling(model: nn.Module) -> AbstractContextManager[Any]:
@@ -30,3 +35,35 @@ def watching(hook: Hook) -> Iterator[None]:
         yield
     finally:
         _HOOK.reset(token)
+
+
+def note(model: nn.Module) -> None:
+    """Record that ``model`` runs, for the innermost :func:`noting` block, if any.
+
+    A capture through Dynamo marks this function with ``torch.compiler.assume_constant_result``
+    first, so that Dynamo runs it while tracing instead of tracing it.
+    """
+    if _NOTING and not any(m is model for m in _NOTING[-1]):
+        _NOTING[-1].append(model)
+
+
+@contextlib.contextmanager
+def noting() -> Iterator[list[nn.Module]]:
+    """Within the block, the models ``apply`` runs are appended to the list it yields."""
+    seen: list[nn.Module] = []
+    _NOTING.append(seen)
+    try:
+        yield seen
+    finally:
+        _NOTING.pop()
+
+
+def register(model: nn.Module) -> None:
+    """Remember ``model`` as one that ``fddp.functional`` made an ``apply`` for."""
+    _FUNCTIONAL.add(model)
+
+
+def functional_models() -> list[nn.Module]:
+    """Every live model ``fddp.functional`` made an ``apply`` for (for a program that was not
+    captured in this process, whose models are not known)."""
+    return list(_FUNCTIONAL)

@@ -37,7 +37,8 @@ def functional(model: nn.Module, *, return_buffers: bool = False) -> Callable[..
     that update buffers in training mode (BatchNorm's running statistics) update copies, which
     ``apply`` returns as ``(output, new_buffers)`` when ``return_buffers=True`` and drops
     otherwise (buffers missing from ``buffers`` start from copies of the module's own). The
-    module's ``train()``/``eval()`` mode is read at each call.
+    module's ``train()``/``eval()`` mode (and each submodule's) is read at each call; a step
+    captured by ``fddp.data_parallel`` is captured again when a mode it ran with has changed.
 
     >>> import fddp, torch
     >>> bn = torch.nn.BatchNorm1d(2)
@@ -53,10 +54,13 @@ def functional(model: nn.Module, *, return_buffers: bool = False) -> Callable[..
             "function of (params, *args) is already functional and can be used as it is."
         )
 
+    _model_calls.register(model)
+
     @functools.wraps(model.forward)
     def apply(
         params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], *args: Any, **kwargs: Any
     ) -> Any:
+        _model_calls.note(model)  # a capture keys its program on the model's modes
         own = {name: b for name, b in model.named_buffers() if name not in buffers}
         fresh = {name: b.clone() for name, b in {**own, **buffers}.items()}
         if torch.compiler.is_compiling():  # Dynamo traces the model itself

@@ -8,10 +8,12 @@ import math
 import pickle
 import re
 import struct
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import optree
 import torch
+from torch import nn
 
 from fddp._agree import Line
 from fddp._tree import path_str
@@ -60,6 +62,54 @@ class StaticSpec(NamedTuple):
 
 LeafSpec = TensorSpec | StaticSpec
 
+MODES_LABEL = "the models' train/eval modes"
+
+
+class Modes:
+    """The ``training`` flags of every module of the models a step runs, read at each call
+    from a list made once (a 96-layer model has about a thousand modules)."""
+
+    __slots__ = ("_modules", "_names", "models")
+
+    def __init__(self, models: Sequence[nn.Module]) -> None:
+        self.models = tuple(models)
+        seen: set[int] = set()
+        self._modules: list[nn.Module] = []
+        self._names: list[str] = []
+        for model in self.models:
+            root = type(model).__name__
+            for name, module in model.named_modules():
+                if id(module) not in seen:
+                    seen.add(id(module))
+                    self._modules.append(module)
+                    self._names.append(f"{root}.{name}" if name else root)
+
+    def read(self) -> bytes:
+        """One byte per module: 1 in training mode, 0 in eval mode."""
+        return bytes([m.training for m in self._modules])
+
+    def describe(self, flags: bytes) -> str:
+        """``flags`` as text: ``train``, ``eval``, or the modules that are not in the majority's."""
+        if not flags:
+            return "no model"
+        train = flags.count(1) * 2 >= len(flags)
+        others = [name for name, flag in zip(self._names, flags) if flag != train]
+        mode = "train" if train else "eval"
+        return mode + (f" except {', '.join(others)}" if others else "")
+
+    def change(self, old: bytes, new: bytes) -> str:
+        """A sentence naming the first module whose mode differs from ``old`` to ``new``."""
+        for name, a, b in zip(self._names, old, new):
+            if a != b:
+                word = ("eval", "train")
+                return (
+                    f"the mode of {name} changed: {word[a]} -> {word[b]} (model.train()/eval() "
+                    "change what fddp.functional computes)"
+                )
+        return (
+            f"the train/eval modes of the models the step runs changed (now {self.describe(new)})"
+        )
+
 
 class Signature:
     """The cache key of a compiled step: the tree structure, then the tensor leaves' shapes,
@@ -71,16 +121,19 @@ class Signature:
     from the columns when asked for.
     """
 
-    __slots__ = ("_columns", "_hash", "_key", "_leaves", "tree")
+    __slots__ = ("_columns", "_hash", "_key", "_leaves", "flags", "modes", "tree")
 
     def __init__(
         self,
         tree: optree.PyTreeSpec,
         columns: tuple[tuple, tuple, tuple, tuple, tuple[int, ...] | None],
         statics: tuple[tuple[int, StaticSpec], ...],
+        modes: Modes | None = None,
+        flags: bytes = b"",
     ) -> None:
         self.tree, self._columns = tree, (columns, statics)
-        self._key = (tree, columns, tuple((i, x[:2]) for i, x in statics))
+        self.modes, self.flags = modes, flags
+        self._key = (tree, columns, tuple((i, x[:2]) for i, x in statics), flags)
         self._hash = hash(self._key)
         self._leaves: tuple[LeafSpec, ...] | None = None
 
@@ -107,10 +160,13 @@ class Signature:
 
     def lines(self, paths: list[str]) -> list[Line]:
         """Labelled lines for :func:`fddp._agree.find_difference`."""
-        return [
+        lines = [
             (f"argument leaf {path}", leaf.portable(i))
             for i, (path, leaf) in enumerate(zip(paths, self.leaves))
         ] + [("the argument tree", str(self.tree))]
+        if self.modes is not None:
+            lines.append((MODES_LABEL, self.modes.describe(self.flags)))
+        return lines
 
     def difference(self, newer: Signature, paths: list[str]) -> tuple[str | None, str]:
         """The first leaf path (None for the tree) that changed from ``self`` to ``newer``, and
@@ -120,6 +176,8 @@ class Signature:
         for path, a, b in zip(paths, self.leaves, newer.leaves):
             if a[:2] != b[:2] or (type(a) is TensorSpec and a != b):
                 return path, f"argument leaf {path} changed: {a.describe()} -> {b.describe()}"
+        if self.flags != newer.flags and newer.modes is not None:
+            return None, newer.modes.change(self.flags, newer.flags)
         return None, "signature changed"
 
 
@@ -171,8 +229,9 @@ def _static_spec(leaf: Any, path: str) -> StaticSpec:
     return StaticSpec(type(leaf), key, leaf)
 
 
-def signature_of(args: tuple) -> tuple[Signature, list[Any]]:
-    """The signature of ``args`` and their flat leaves."""
+def signature_of(args: tuple, modes: Modes | None = None) -> tuple[Signature, list[Any]]:
+    """The signature of ``args`` (and of the train/eval ``modes`` of the step's models) and
+    their flat leaves."""
     leaves, tree = optree.tree_flatten(args)
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     statics: tuple[tuple[int, StaticSpec], ...] = ()
@@ -195,7 +254,8 @@ def signature_of(args: tuple) -> tuple[Signature, list[Any]]:
         tuple([x.device for x in tensors]),
         aliases,
     )
-    return Signature(tree, columns, statics), leaves
+    flags = b"" if modes is None else modes.read()
+    return Signature(tree, columns, statics, modes, flags), leaves
 
 
 def leaf_paths(args: tuple) -> list[str]:

@@ -31,11 +31,15 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch import fx
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    FakeTensor,
+    FakeTensorMode,
+)
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fddp import _runtime
+from fddp import _model_calls, _runtime
 from fddp._errors import CaptureError, PrintWhileTracingWarning, UsageError
 from fddp._schedule import _backward_mode, _repeated
 from fddp._schedule._graph import remove_double_waits, storage
@@ -58,6 +62,8 @@ class Captured:
     ``i`` returned as it is, or ``("const", value)``; with ``out_spec`` it rebuilds the output.
     A Dynamo capture learns them on its first run (until then they are None; see
     :meth:`DynamoCapture.run_once`). The graph itself is rewritten in place by the scheduler.
+    ``models`` are the models the step ran through ``fddp.functional``: their train/eval modes
+    are baked into the graph.
     """
 
     graph: fx.GraphModule | None  # None for a program loaded from the persistent cache
@@ -66,6 +72,7 @@ class Captured:
     outputs: list[tuple[str, Any]] | None = None
     out_spec: optree.PyTreeSpec | None = None
     method: str = "make_fx"
+    models: tuple[torch.nn.Module, ...] = ()
 
 
 @contextlib.contextmanager
@@ -307,6 +314,9 @@ class DynamoCapture:
         self._fused_backward = fused_backward
         self._runner: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
         self._graph_outputs: list[torch.Tensor] = []
+        self._output_nodes: list[fx.Node] = []
+        self._scalar_reads: list[fx.Node] = []
+        self._refused: CaptureError | None = None  # raised again by every later run
         self._captured: Captured | None = None
         self._tensors: list[torch.Tensor] = []
         self._compiled = torch.compile(
@@ -318,6 +328,8 @@ class DynamoCapture:
         inputs: list[int | torch.Tensor] = [positions.get(id(t), t) for t in example_inputs]
         aten = lower_to_aten(gm, example_inputs, fused_backward=self._fused_backward)
         self._captured = Captured(aten, inputs, 0.0, method="dynamo")
+        self._output_nodes = list(optree.tree_leaves(gm.graph.output_node().args[0]))
+        self._scalar_reads = [n for n in gm.graph.nodes if _reads_scalar(n)]
 
         def call(*graph_inputs: torch.Tensor) -> list[torch.Tensor]:
             if self._runner is None:
@@ -363,12 +375,105 @@ class DynamoCapture:
         Returns:
             The step's Python output and the graph outputs it was built from.
         """
+        if self._refused is not None:
+            raise self._refused
         self._runner = runner
         try:
             with _dynamo_settings():
-                return self._compiled(*args), self._graph_outputs
+                out = self._compiled(*args)
+        except DataDependentOutputException as e:  # Inductor compiles no tensor-to-Python read
+            if not self._scalar_reads:
+                raise
+            self._refused = _value_read_error(self._scalar_reads[0], returned=False)
+            raise self._refused from e
         finally:
             del self._compiled  # one run: Dynamo's compiled code and cache entry go with it
+        read = _values_read_into_python(out, self._graph_outputs, self._output_nodes)
+        if read is not None:
+            self._refused = _value_read_error(read, returned=True)
+            raise self._refused
+        return out, self._graph_outputs
+
+
+def _values_read_into_python(
+    out: Any, graph_outputs: list[Any], nodes: list[fx.Node]
+) -> fx.Node | None:
+    """The graph output Dynamo turned into a Python value of the step's output (``.item()``,
+    ``float(t)``, ``int(t)``, ``.tolist()``, ``.numpy()``), if there is one.
+
+    Dynamo runs such a conversion after the graph, in Python that the compiled step never runs
+    again; fddp would return the first call's value forever. A graph output that is not a tensor
+    leaf of ``out`` either became such a value or a side effect Dynamo replays (a tensor stored
+    on a module); it is the former when it holds a scalar read from a tensor, or when ``out``
+    holds a numpy value.
+    """
+    leaves = optree.tree_leaves(out)
+    returned = {id(x) for x in leaves if isinstance(x, torch.Tensor)}
+    arrays = any(type(x).__module__ == "numpy" for x in leaves)
+    for value, node in zip(graph_outputs, nodes):
+        if id(value) in returned:
+            continue
+        source = _scalar_source(node)
+        if source is not None or arrays:
+            return source or node
+    return None
+
+
+def _scalar_source(node: fx.Node) -> fx.Node | None:
+    """The node that read a Python scalar from a tensor (``.item()``), when ``node`` is that
+    scalar or a tensor made back from it (Dynamo's ``torch.scalar_tensor(x.item())``)."""
+    found: fx.Node | None = None
+    at: fx.Node | None = node
+    while at is not None:
+        if _is_scalar(at):
+            found = at
+        at = next((a for a in at.all_input_nodes if _is_scalar(a)), None)
+    return found
+
+
+def _reads_scalar(node: fx.Node) -> bool:
+    """Whether ``node`` makes a Python scalar of a tensor (``.item()``, ``int(t)``)."""
+    return _is_scalar(node) and any(
+        isinstance(a.meta.get("example_value"), torch.Tensor) for a in node.all_input_nodes
+    )
+
+
+def _is_scalar(node: fx.Node) -> bool:
+    """Whether ``node`` is a Python number that Dynamo traced symbolically (read from data)."""
+    return isinstance(node.meta.get("example_value"), (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def _value_read_error(node: fx.Node, *, returned: bool) -> CaptureError:
+    """The error for a step that reads a tensor's value into Python at ``node``: it returns
+    the value (``returned``), or Inductor (``compile=True``) cannot compile the read."""
+    frames = _stack_frames(node.meta.get("stack_trace") or "")
+    where = _where(_user_frame(frames))
+    if returned:
+        what = "returns a Python value read from a tensor"
+        why = (
+            "The captured step runs no Python after capture, so this value would stay the one "
+            "of the first call."
+        )
+    else:
+        what = "reads a tensor's value into Python"
+        why = "compile=True (Inductor) cannot compile that read; compile=False can."
+    error = CaptureError(
+        f"fddp.data_parallel: the step {what} (.item(), float(t), int(t), .tolist() or "
+        f".numpy()){where}\n{why} Return the tensor itself (`loss`, or `{{'loss': loss}}`) "
+        "and call .item() on the step's result, outside the step; or pass trace=False to run "
+        "the step eagerly."
+    )
+    error.make_fx_error, error.dynamo_error = None, error
+    return error
+
+
+def _stack_frames(text: str) -> list[traceback.FrameSummary]:
+    """The frames of a traceback as FX records it in ``node.meta["stack_trace"]``."""
+    found = re.finditer(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', text)
+    return [
+        traceback.FrameSummary(m.group(1), int(m.group(2)), m.group(3), line=m.group(4))
+        for m in found
+    ]
 
 
 @contextlib.contextmanager
@@ -381,6 +486,7 @@ def _dynamo_settings() -> Iterator[None]:
         for name, method in vars(logging.Logger).items()
         if name in _LOGGING_METHODS or name.endswith("_once")
     }
+    torch.compiler.assume_constant_result(_model_calls.note)  # Dynamo runs it while tracing
     with (
         torch._dynamo.config.patch(ignore_logging_functions=methods),
         dict_pytrees_traceable(),
@@ -599,6 +705,21 @@ def capture(
         UsageError: a mistake fddp names itself, as it is.
         CaptureError: what both make_fx and Dynamo said.
     """
+    with _model_calls.noting() as models:
+        captured, dynamo = _capture_graph(
+            fn, args, tensors, fused_backward=fused_backward, method=method
+        )
+    return dataclasses.replace(captured, models=tuple(models)), dynamo
+
+
+def _capture_graph(
+    fn: Callable[..., Any],
+    args: tuple,
+    tensors: list[torch.Tensor],
+    *,
+    fused_backward: bool,
+    method: str,
+) -> tuple[Captured, DynamoCapture | None]:
     make_fx_error: BaseException | None = None
     try:
         if method != "dynamo":
