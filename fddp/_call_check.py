@@ -19,6 +19,7 @@ them and is named with them. Those are read on the CPU only, where reading costs
 from __future__ import annotations
 
 import ast
+import hashlib
 import time
 from collections.abc import Callable
 from typing import NamedTuple, TypeVar
@@ -40,37 +41,51 @@ _COUNT = "the integer value of argument leaf "  # a step count, say: a skipped c
 T = TypeVar("T")
 
 
+class Small(NamedTuple):
+    """A small replicated tensor leaf: its argument, how to reach it there, and its label."""
+
+    argument: int
+    reach: optree.PyTreeAccessor
+    label: str
+
+
 class Known(NamedTuple):
     """What a signature's calls check: its lines and their digest, and the small replicated
-    tensors (argument position, leaf index within it, path) whose values are read per call."""
+    tensors whose values are read on every call."""
 
     lines: list[Line]
     value: int
-    small: list[tuple[int, int, str]]
+    small: list[Small]
 
 
-def small_replicated(args: tuple, replicated: tuple[int, ...]) -> list[tuple[int, int, str]]:
+def small_replicated(args: tuple, replicated: tuple[int, ...]) -> list[Small]:
     """The leaves of the replicated arguments (but sharded parameters) whose values are read on
-    every call: CPU tensors of at most ``SMALL_NUMEL`` elements, as (argument, leaf index,
-    path); integer ones first, as a step count names a skipped call best."""
+    every call: CPU tensors of at most ``SMALL_NUMEL`` elements; integer ones first, as a step
+    count names a skipped call best."""
     sharded = sharded_positions(args)
     found = []
     for n in sorted({n % len(args) for n in replicated if -len(args) <= n < len(args)}):
         if n in sharded:
             continue
         accessors, leaves, _ = optree.tree_flatten_with_accessor(args[n])
-        for i, x in enumerate(leaves):
+        for reach, x in zip(accessors, leaves):
             if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.numel() <= SMALL_NUMEL:
                 inexact = x.is_floating_point() or x.is_complex()
-                label = (_VALUE if inexact else _COUNT) + accessors[i].codify(f"[{n}]")
-                found.append((inexact, n, i, label))  # e.g. [1][0].count
-    return [(n, i, label) for _, n, i, label in sorted(found, key=lambda f: f[0])]
+                label = (_VALUE if inexact else _COUNT) + reach.codify(f"[{n}]")  # [1][0].count
+                found.append((inexact, Small(n, reach, label)))
+    return [small for _, small in sorted(found, key=lambda f: f[0])]
 
 
-def value_lines(args: tuple, small: list[tuple[int, int, str]]) -> list[Line]:
-    """The values of the small replicated tensors of this call, as labelled lines."""
-    leaves = {n: optree.tree_leaves(args[n]) for n in {n for n, _, _ in small}}
-    return [(label, str(leaves[n][i].tolist())) for n, i, label in small]
+def with_values(value: int, tensors: list[torch.Tensor]) -> int:
+    """``value`` (a signature's digest) combined with the values of ``tensors``, a 56-bit
+    digest."""
+    text = f"{value}:{[t.tolist() for t in tensors]!r}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "little")
+
+
+def value_lines(small: list[Small], tensors: list[torch.Tensor]) -> list[Line]:
+    """The values of a call's small replicated tensors, as labelled lines."""
+    return [(leaf.label, repr(t.tolist())) for leaf, t in zip(small, tensors)]
 
 
 class Pending:
@@ -82,10 +97,12 @@ class Pending:
         lines: list[Line],
         value: int | None,
         on_argument_mismatch: Callable[[], None],
+        values: tuple[list[Small], list[torch.Tensor]] = ([], []),
     ) -> None:
-        """Launch the all-reduce of ``value``, the digest of ``lines``; None: nothing to check
-        (a world of one)."""
-        self._check, self._lines = check, lines
+        """Launch the all-reduce of ``value``, the digest of ``lines`` and of ``values`` (the
+        small replicated tensors and their values, lines only when the ranks differ); None:
+        nothing to check (a world of one)."""
+        self._check, self._lines, self._values = check, lines, values
         self._on_argument_mismatch = on_argument_mismatch
         self._call = check.calls
         self._start = time.monotonic()
@@ -112,7 +129,8 @@ class Pending:
         if self._failing_alike(lambda: in_flight if in_flight.same() else None) is not None:
             self._check.agreed()
             return
-        everyone = gather_lines([*self._lines, ("the call", str(self._call))], self._group)
+        lines = [*self._lines, *value_lines(*self._values), ("the call", str(self._call))]
+        everyone = gather_lines(lines, self._group)
         difference = first_difference(everyone)
         # integers that differ (a step count) are a skipped or repeated call; other values,
         # replicas drifting apart, which the replicated arguments' own check names better
@@ -216,12 +234,11 @@ class CallCheck:
             lines = [("the request", request), *self._options, *arguments]
             small = small_replicated(args, self._replicated)
             known = self._lines[key] = Known(lines, digest(lines), small)
-        lines, value = known.lines, known.value
-        if known.small:
-            values = value_lines(args, known.small)
-            lines = [*lines, *values]
-            value = digest([("the signature", str(value)), *values])
-        return Pending(self, lines, value, on_argument_mismatch)
+        if not known.small:
+            return Pending(self, known.lines, known.value, on_argument_mismatch)
+        tensors = [leaf.reach(args[leaf.argument]) for leaf in known.small]
+        value = with_values(known.value, tensors)
+        return Pending(self, known.lines, value, on_argument_mismatch, (known.small, tensors))
 
     def agreed(self) -> None:
         self._agreed_once = True
