@@ -150,6 +150,9 @@ def shard_params(
         group: outside a transform, the process group to shard over (default: the world;
             pass the group the step's ``data_parallel`` uses).
 
+    The layout records the process group it was cut over (``layout.ranks``): a step or
+    ``full_params`` over another group refuses it.
+
     Returns:
         A :class:`ShardedParams`; ``fddp.full_params`` gives the full tree back.
     """
@@ -200,7 +203,7 @@ def _check_replicas(sharded: ShardedParams, axis_name: str, where: str) -> None:
     if axis_size(axis_name) != sharded.layout.replicas:
         raise UsageValueError(
             f"{where}: these parameters are sharded over {sharded.layout.replicas} replicas, "
-            f"but axis {axis_name!r} has {axis_size(axis_name)} here. {_MOVE}"
+            f"but axis {axis_name!r} has {axis_size(axis_name)} here. {_fix(where)}"
         )
 
 
@@ -213,17 +216,23 @@ def _check_group(layout: Layout, axis_name: str, where: str) -> None:
     raise UsageValueError(
         f"{where}: these parameters were sharded over the group of ranks {layout.ranks}, but "
         f"axis {axis_name!r} is bound to the group of ranks {here} here: each rank would "
-        f"assemble its parameters from other ranks' pieces. {_MOVE}"
+        f"assemble its parameters from other ranks' pieces. {_fix(where)}"
     )
 
 
-_MOVE = (
-    "Run the step over the group they were sharded over, or shard them over the step's group "
-    "(fddp.shard_params(params, axis_name, group=...) with the group the step's data_parallel "
-    "binds that axis to); to move sharded parameters to another group, take "
-    "fddp.full_params(sharded) (it gathers over their own group) and shard that, or go through "
-    "fddp.save_sharded / fddp.load_sharded."
-)
+def _fix(where: str) -> str:
+    if where == "fddp.full_params":
+        return (
+            "Leave group= (and axis_name=) unset: full_params gathers over the group they were "
+            "sharded over, called on every rank of it."
+        )
+    return (
+        "Run the step over the group they were sharded over, or shard them over the step's "
+        "group (fddp.shard_params(params, axis_name, group=...) with the group the step's "
+        "data_parallel binds that axis to); to move sharded parameters to another group, take "
+        "fddp.full_params(sharded) (it gathers over their own group) and shard that, or go "
+        "through fddp.save_sharded / fddp.load_sharded."
+    )
 
 
 def cut_ranks(tree: Any) -> tuple[int, ...] | None:
