@@ -192,21 +192,27 @@ print(json.dumps({
 """
 
 
-def _install(site: Path, version: str, scale: float) -> None:
-    """``fakelib`` ``version`` in ``site``: a package and its distribution's metadata."""
-    for old in site.glob("fakelib-*.dist-info"):
+def _install(site: Path, dist: str, version: str, scale: float) -> None:
+    """``fakelib`` as distribution ``dist`` ``version`` in ``site``: a package and metadata
+    that names its top-level module in ``top_level.txt`` (when ``dist`` is the module's name)
+    or only in its file list."""
+    for old in site.glob("*.dist-info"):
         for file in old.iterdir():
             file.unlink()
         old.rmdir()
     (site / "fakelib").mkdir(parents=True, exist_ok=True)
     (site / "fakelib" / "__init__.py").write_text(f"def f(h):\n    return h * {scale}\n")
-    info = site / f"fakelib-{version}.dist-info"
+    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: fakelib\nVersion: {version}\n")
-    (info / "top_level.txt").write_text("fakelib\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    if dist == "fakelib":
+        (info / "top_level.txt").write_text("fakelib\n")
+    else:
+        (info / "RECORD").write_text(f"fakelib/__init__.py,,\n{info.name}/METADATA,,\n")
 
 
-def test_an_upgraded_installed_library(tmp_path):
+@pytest.mark.parametrize("dist", ["fakelib", "fake-distribution"])
+def test_an_upgraded_installed_library(tmp_path, dist):
     site = tmp_path / "lib" / "site-packages"  # where installed code lives: keyed by version
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)
@@ -225,13 +231,16 @@ def test_an_upgraded_installed_library(tmp_path):
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    _install(site, "1.0", 2.0)
+    _install(site, dist, "1.0", 2.0)
     first = run()
     assert first["how"] == "make_fx"
-    _install(site, "2.0", 3.0)
+    assert run()["how"].endswith(LOADED)
+    _install(site, dist, "2.0", 3.0)
     upgraded = run()
     assert upgraded["how"] == "make_fx"
     assert upgraded["out"] == upgraded["eager"] != first["out"]
+    _install(site, dist, "2.1", 3.0)  # the version alone
+    assert run()["how"] == "make_fx"
 
 
 def test_a_step_reaching_state_it_cannot_read_is_compiled_in_memory(cache, monkeypatch):
