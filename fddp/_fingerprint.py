@@ -22,6 +22,7 @@ environment variable the model reads): the persistent cache's documentation says
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import dis
 import enum
@@ -32,6 +33,7 @@ import importlib.metadata
 import importlib.util
 import os
 import pathlib
+import re
 import sys
 import sysconfig
 import threading
@@ -282,9 +284,11 @@ class _Walk:
             if isinstance(module, str) and module in sys.modules:
                 self.libraries.add(module)  # a C extension's function: its version keys it
             self.emit("builtin", module, _qualname(obj))
-        elif isinstance(obj, (list, tuple)):
+        elif isinstance(obj, re.Pattern):
+            self.emit("pattern", obj.pattern, obj.flags)  # its repr is cut at 200 characters
+        elif isinstance(obj, (list, tuple, collections.deque)):
             self.emit(type(obj).__qualname__, len(obj))
-            if type(obj) not in (list, tuple):
+            if type(obj) not in (list, tuple, collections.deque):
                 self.visit(type(obj), (*path, ("attr", "__class__")))
             for i, item in enumerate(obj):
                 self.visit(item, (*path, ("item", i)))
