@@ -112,6 +112,20 @@ class ClassDecoder(Decoder):
 SCALE_VAR: contextvars.ContextVar[float] = contextvars.ContextVar("scale", default=1.0)
 
 
+class AttributeScaled(Residual):
+    def __init__(self) -> None:
+        super().__init__()
+        self.factor = 1.0
+
+    def scale(self) -> float:
+        return self.factor
+
+
+class AttributeDecoder(Decoder):
+    def before(self, i: int) -> None:
+        self.blocks[i].factor = 1.0 + i
+
+
 class ContextScaled(Residual):
     def scale(self) -> float:
         return SCALE_VAR.get()
@@ -251,6 +265,8 @@ def _model(case: str, n: int = 4) -> nn.Module:
         return PropertyDecoder([PropertyScaled() for _ in range(n)])
     if case == "class attribute per layer":
         return ClassDecoder([ClassScaled() for _ in range(n)])
+    if case == "attribute the parent sets per layer":
+        return AttributeDecoder([AttributeScaled() for _ in range(n)])
     if case == "context variable":
         return ContextDecoder([ContextScaled() for _ in range(n)])
     if case == "closure cell per layer":
@@ -344,6 +360,7 @@ def test_blocks_whose_parameters_are_detached_get_their_own_template(monkeypatch
         "global per layer",
         "property over a class dict",
         "class attribute per layer",
+        "attribute the parent sets per layer",
         "context variable",
         "closure cell per layer",
         "global function per layer",

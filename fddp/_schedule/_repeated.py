@@ -121,11 +121,11 @@ class _Session:
 def _replaying(session: _Session, model: nn.Module) -> Iterator[None]:
     patched = []
     try:
-        for block, structure in _repeated_children(model):
+        for block in _repeated_children(model):
             if "forward" in block.__dict__:
                 continue
             original = block.forward
-            block.forward = _replaying_forward(block, structure, original, session)
+            block.forward = _replaying_forward(block, original, session)
             patched.append(block)
         yield
     finally:
@@ -133,8 +133,8 @@ def _replaying(session: _Session, model: nn.Module) -> Iterator[None]:
             del block.forward
 
 
-def _repeated_children(model: nn.Module) -> list[tuple[nn.Module, Any]]:
-    """Each child that has at least two identical siblings, with its :func:`_structure`."""
+def _repeated_children(model: nn.Module) -> list[nn.Module]:
+    """Each child that has at least two identical siblings."""
     found = []
     for module in model.modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
@@ -145,7 +145,7 @@ def _repeated_children(model: nn.Module) -> list[tuple[nn.Module, Any]]:
             if key is not None:
                 kinds.setdefault(key, []).append(child)
         # one template costs about two traced blocks: worth it from three
-        found += [(c, key) for key, group in kinds.items() if len(group) >= 3 for c in group]
+        found += [c for group in kinds.values() if len(group) >= 3 for c in group]
     return found
 
 
@@ -589,10 +589,13 @@ def _immutable(value: Any) -> bool:
 
 
 def _replaying_forward(
-    block: nn.Module, structure: Any, original: Callable[..., Any], session: _Session
+    block: nn.Module, original: Callable[..., Any], session: _Session
 ) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if getattr(_IN_TEMPLATE, "on", False) or not _may_replay():
+            return original(*args, **kwargs)
+        structure = _structure(block)  # now: a parent may set an attribute before each call
+        if structure is None:
             return original(*args, **kwargs)
         if structure not in session.reads:
             session.reads[structure] = _reads_of(block)
