@@ -6,11 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _compare import assert_trees_close
+from _dist import run_checks
 from _models import mlp
 from torch import nn
 
 import fddp
-from fddp import CaptureError
+from fddp import CaptureError, ScheduleMismatchError
 
 
 def _metric_step(read):
@@ -94,6 +95,51 @@ def test_train_and_eval_modes_switched_back_and_forth_give_the_eager_numbers(cap
         assert_trees_close(results[mode], step(params, x, y), rtol=1e-6, atol=1e-6)
     assert not torch.allclose(results["train"][2], results["eval"][2])
     assert pstep.retraces == 2  # one program per mode, each captured once
+
+
+def _bn_model_step():
+    """A BatchNorm model (eval differs from train) and an SGD step on its parameters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 1))
+    params, buffers = fddp.state(model)
+    buffers["1.running_mean"].copy_(torch.randn(4))
+    apply = fddp.functional(model)
+
+    def step(p, x, y):
+        loss, g = fddp.value_and_grad(lambda p: F.mse_loss(apply(p, buffers, x), y))(p)
+        return {k: v - 0.1 * fddp.pmean(g[k]) for k, v in p.items()}, fddp.pmean(loss)
+
+    return model, params, step
+
+
+def _modes_on_two_ranks():
+    """Both ranks in eval: one process's numbers on the global batch; then only rank 1 back in
+    train mode: an error on both ranks instead of two different programs."""
+    model, params, step = _bn_model_step()
+    pstep = fddp.data_parallel(step)
+    rank = fddp.rank()
+    x, y = torch.randn(12, 3, generator=torch.Generator().manual_seed(1)), torch.randn(12, 1)
+    pstep(params, x[rank::2], y[rank::2])  # train mode, the first program
+    model.eval()
+    got = pstep(params, x[rank::2], y[rank::2])
+    expected = step(params, x, y)
+    model.train(rank == 1)
+    try:
+        pstep(params, x[rank::2], y[rank::2])
+    except ScheduleMismatchError as e:
+        return got, expected, str(e)
+    return got, expected, "no error"
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_checks({"modes": _modes_on_two_ranks}, 2, timeout=180)
+
+
+def test_eval_mode_on_two_ranks_equals_one_process_and_ranks_must_agree_on_it(runs):
+    for got, expected, error in runs["modes"]:
+        assert_trees_close(got, expected, rtol=1e-5, atol=1e-6)
+        assert "the models' train/eval modes" in error, error
 
 
 def _model_and_data():
