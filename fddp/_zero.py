@@ -184,8 +184,8 @@ def _check_hybrid(axis_name: str, replicate_axis: str | None, shard: Members) ->
     """Refuse a ``replicate_axis`` that is not orthogonal to ``axis_name`` and, without one, a
     step that has such an axis (hybrid sharding that would not average across the groups)."""
     own = set(shard.ranks)
-    if replicate_axis is not None:
-        replicate = members_of(replicate_axis)
+    if replicate_axis is not None:  # checked where it is bound (update needs it there)
+        replicate = members_of(replicate_axis) if _axes.find(replicate_axis) else None
         if replicate is not None and len(own & set(replicate.ranks)) != 1:
             raise UsageValueError(
                 f"shard_state(axis_name={axis_name!r}, replicate_axis={replicate_axis!r}): the "
