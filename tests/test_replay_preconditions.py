@@ -186,6 +186,27 @@ class RandomDecoder(Decoder):
         return super().forward(ids)
 
 
+class Made:
+    """An object a block makes; its constructor counts, on the class."""
+
+    made = 0
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+        Made.made += 1
+
+
+class Making(Residual):
+    def scale(self) -> float:
+        return Made(1.0).value * Made.made
+
+
+class MakingDecoder(Decoder):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        Made.made = 0
+        return super().forward(ids)
+
+
 class Counting(Residual):
     calls = 0
 
@@ -275,6 +296,8 @@ def _model(case: str, n: int = 4) -> nn.Module:
         return ActivationDecoder([GlobalActivation() for _ in range(n)])
     if case == "Python's random generator":
         return RandomDecoder([StochasticDepth() for _ in range(n)])
+    if case == "constructor that counts":
+        return MakingDecoder([Making() for _ in range(n)])
     if case == "counter on self":
         return Decoder([Counting() for _ in range(n)])
     if case == "aliasing outputs":
@@ -365,6 +388,7 @@ def test_blocks_whose_parameters_are_detached_get_their_own_template(monkeypatch
         "closure cell per layer",
         "global function per layer",
         "Python's random generator",
+        "constructor that counts",
     ],
 )
 def test_a_value_read_outside_the_block_is_read_for_each_call(case, monkeypatch):
