@@ -185,6 +185,8 @@ def _imported_modules(fn: types.FunctionType) -> list[types.ModuleType]:
             )
             module = importlib.import_module(full)
             modules.append(module)
+            if not fromlist and "." in full:  # ``import a.b`` binds ``a``
+                modules.append(sys.modules[full.partition(".")[0]])
             for item in fromlist:
                 if item != "*" and not hasattr(module, item):
                     modules.append(importlib.import_module(f"{full}.{item}"))

@@ -104,23 +104,33 @@ def test_an_edited_submodule_reached_as_an_attribute(cache, modules):
 _IMPORTS_IN_BODY = """
 def step(w, x):
     import inner_helper
-    from inner_pkg import inner_sub
+    import inner_pkg.inner_sub
+    from inner_lib import inner_mod
 
-    g = fddp.grad(lambda w: inner_sub.g(inner_helper.f(x @ w)).pow(2).mean())(w)
-    return w - 0.1 * fddp.pmean(g)
+    def loss(w):
+        h = inner_pkg.inner_sub.g(inner_helper.f(x @ w))
+        return inner_mod.k(inner_pkg.h(h)).pow(2).mean()
+
+    return w - 0.1 * fddp.pmean(fddp.grad(loss)(w))
 """
+_IMPORTED = {
+    "inner_helper.py": "def f(h):\n    return h * {c}\n",
+    "inner_pkg/__init__.py": "def h(x):\n    return x - {c}\n",
+    "inner_pkg/inner_sub.py": "def g(h):\n    return h + {c}\n",
+    "inner_lib/__init__.py": "",
+    "inner_lib/inner_mod.py": "def k(h):\n    return h / {c}\n",
+}
 
 
-@pytest.mark.parametrize("edited", ["inner_helper.py", "inner_pkg/inner_sub.py"])
+@pytest.mark.parametrize("edited", [name for name, text in _IMPORTED.items() if text])
 def test_an_edited_module_imported_in_the_step_body(cache, modules, edited):
     def make(scale: float):
-        files = {
-            "inner_helper.py": "def f(h):\n    return h * 2.0\n",
-            "inner_pkg/__init__.py": "",
-            "inner_pkg/inner_sub.py": "def g(h):\n    return h + 1.0\n",
-        }
-        files[edited] = files[edited].replace("2.0" if "helper" in edited else "1.0", str(scale))
-        modules(files)  # not imported until the step (or the cache's key) imports them
+        modules(  # not imported until the step (or the cache's key) imports them
+            {
+                name: text.format(c=scale if name == edited else 2.0)
+                for name, text in _IMPORTED.items()
+            }
+        )
         return _step(_IMPORTS_IN_BODY)
 
     _compiles_afresh(make)
