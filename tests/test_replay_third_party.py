@@ -117,8 +117,22 @@ def _run(name: str, frozen: bool, monkeypatch, *, replay: bool):
 EXPECTED = {"gpt2": 0, "bert": 0, "llama": 0, "torch encoder": LAYERS, "torch decoder": LAYERS}
 
 
-@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "first block frozen"])
-@pytest.mark.parametrize("name", list(EXPECTED))
+CASES = [
+    ("gpt2", True),
+    ("bert", True),
+    ("llama", True),
+    ("torch encoder", False),
+    ("torch encoder", True),
+    ("torch decoder", False),
+    ("torch decoder", True),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "frozen"),
+    CASES,
+    ids=[f"{name}-{'first block frozen' if frozen else 'trained'}" for name, frozen in CASES],
+)
 def test_replayed_capture_equals_the_capture_without_replay(name, frozen, monkeypatch):
     fddp.init()
     got, calls, step, args = _run(name, frozen, monkeypatch, replay=True)
