@@ -41,7 +41,15 @@ from fddp._collectives import (
 )
 from fddp._errors import RankFailureError, UsageValueError
 from fddp._tree import path_str, tensor_leaves
-from fddp._zero import Bucket, Members, ShardedState, _layout, members_of, own_shard
+from fddp._zero import (
+    Bucket,
+    Members,
+    ShardedState,
+    _layout,
+    check_state_group,
+    members_of,
+    own_shard,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,6 +452,11 @@ def _short(tree: Any) -> str:
     return f"a tree of {len(leaves)} leaves {spec}"
 
 
+def _states(args: tuple) -> list[ShardedState]:
+    leaves = optree.tree_leaves(args, is_leaf=lambda x: isinstance(x, ShardedState))
+    return [x for x in leaves if isinstance(x, ShardedState)]
+
+
 def sharded_positions(args: tuple) -> tuple[int, ...]:
     """The positions of ``args`` that hold :class:`ShardedParams`."""
     return tuple(i for i, a in enumerate(args) if isinstance(a, ShardedParams))
@@ -454,11 +467,15 @@ def gathering(
 ) -> Any:
     """``step_fn`` as a step on ``args``' sharded parameters: each :class:`ShardedParams`
     argument gathered into its full tree over the axis it is sharded over, the output in its
-    position cut back into shards (``step_fn`` itself where no argument is sharded).
+    position cut back into shards (``step_fn`` itself where no argument is sharded). Sharded
+    parameters and ``shard_state`` states bound to another group than they were cut over are
+    refused first, before any capture.
 
     ``one_at_a_time``: the step runs as fddp schedules it, whose parameter gathers never
     overlap (``_schedule._param_gathers``), so they may use gloo's own all-gather. Not under
     Inductor, which moves waits and would let two run at once: that corrupts gloo's heap."""
+    for state in _states(args):  # before tracing, on every capture path
+        check_state_group(state, f"{where}, shard_state's state")
     positions = sharded_positions(args)
     if not positions:
         return step_fn

@@ -52,11 +52,12 @@ class Members:
     global numbering. A pytree node without leaves: it travels in the tree's structure."""
 
     ranks: tuple[int, ...]
+    axis_name: str  # the axis that was bound to the group
 
     def __repr__(self) -> str:
         # A step's argument tree is compared across its ranks, and under hybrid sharding each
         # pair cuts its layout over its own pair: only the group's size is the same everywhere.
-        return f"Members({len(self.ranks)} ranks)"
+        return f"Members({len(self.ranks)} ranks of axis {self.axis_name!r})"
 
 
 optree.register_pytree_node(
@@ -177,7 +178,9 @@ def own_shard(
 def members_of(axis_name: str) -> Members | None:
     """The process group ``axis_name`` is bound to here (None: not a process group)."""
     axis = named_axis(axis_name)
-    return Members(_mesh.ranks_of(axis.group_name)) if isinstance(axis, ProcessAxis) else None
+    if not isinstance(axis, ProcessAxis):
+        return None
+    return Members(_mesh.ranks_of(axis.group_name), axis_name)
 
 
 def _check_hybrid(axis_name: str, replicate_axis: str | None, shard: Members) -> None:
@@ -362,11 +365,20 @@ def shard_state(
     return GradientTransformation(init, update)
 
 
-def _check_members(cut: Members | None, here: Members | None, axis_name: str) -> None:
-    if cut is None or here is None or cut == here:
+def check_state_group(state: ShardedState, where: str) -> None:
+    """Refuse ``state`` where its axis is bound to another group than it was cut over."""
+    cut = state.members
+    if cut is not None and (_axes.find(cut.axis_name) is not None or cut.axis_name == DEFAULT_AXIS):
+        _check_members(cut, members_of(cut.axis_name), cut.axis_name, where)
+
+
+def _check_members(
+    cut: Members | None, here: Members | None, axis_name: str, where: str = "shard_state's update"
+) -> None:
+    if cut is None or here is None or cut.ranks == here.ranks:
         return
     raise UsageValueError(
-        f"shard_state's update: this state was cut over the group of ranks {cut.ranks}, but "
+        f"{where}: this state was cut over the group of ranks {cut.ranks}, but "
         f"axis {axis_name!r} is bound to ranks {here.ranks} here; its shards would be updated "
         "with other ranks' gradients. Run the update over the group the state was made on "
         "(init it where the step binds the axis: the same group= or axes=), or move the state "
