@@ -142,6 +142,21 @@ def test_eval_mode_on_two_ranks_equals_one_process_and_ranks_must_agree_on_it(ru
         assert "the models' train/eval modes" in error, error
 
 
+def test_a_program_loaded_from_the_persistent_cache_is_captured_again_for_another_mode(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(fddp._persistent_cache, "_directory", str(tmp_path / "programs"))
+    model, params, step = _bn_model_step()
+    x, y = torch.randn(6, 3), torch.randn(6, 1)
+    fddp.data_parallel(step)(params, x, y)  # train mode: captured and written
+    restarted = fddp.data_parallel(step)  # shares nothing with the first but the directory
+    for mode in ("train", "eval", "train"):
+        model.train(mode == "train")
+        assert_trees_close(restarted(params, x, y), step(params, x, y), rtol=1e-6, atol=1e-6)
+    assert restarted.schedule(params, x, y).captured_with == "make_fx, loaded from cache"
+    assert restarted.retraces == 1
+
+
 def _model_and_data():
     model = mlp((3, 4, 1))
     return model, torch.randn(5, 3), torch.randn(5, 1)
