@@ -112,6 +112,18 @@ class ClassDecoder(Decoder):
 SCALE_VAR: contextvars.ContextVar[float] = contextvars.ContextVar("scale", default=1.0)
 
 
+class InheritedScaled(Residual):
+    """Reads a class attribute whose default is nn.Module's (``call_super_init``)."""
+
+    def scale(self) -> float:
+        return 2.0 if self.call_super_init else 1.0
+
+
+class InheritedDecoder(Decoder):
+    def before(self, i: int) -> None:
+        InheritedScaled.call_super_init = i % 2 == 1
+
+
 class AttributeScaled(Residual):
     def __init__(self) -> None:
         super().__init__()
@@ -286,6 +298,8 @@ def _model(case: str, n: int = 4) -> nn.Module:
         return PropertyDecoder([PropertyScaled() for _ in range(n)])
     if case == "class attribute per layer":
         return ClassDecoder([ClassScaled() for _ in range(n)])
+    if case == "class attribute with torch's default":
+        return InheritedDecoder([InheritedScaled() for _ in range(n)])
     if case == "attribute the parent sets per layer":
         return AttributeDecoder([AttributeScaled() for _ in range(n)])
     if case == "context variable":
@@ -383,6 +397,7 @@ def test_blocks_whose_parameters_are_detached_get_their_own_template(monkeypatch
         "global per layer",
         "property over a class dict",
         "class attribute per layer",
+        "class attribute with torch's default",
         "attribute the parent sets per layer",
         "context variable",
         "closure cell per layer",

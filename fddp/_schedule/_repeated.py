@@ -430,9 +430,13 @@ class _Walk:
     def attribute(self, space: Any, name: str) -> None:
         if isinstance(space, type):
             owner, value = _class_attribute(space, name)
-            if owner is None or _trusted(owner.__module__):
+            if owner is None:
                 return
-            self.value(value, _place("class", space, name, value))
+            place = _place("class", space, name, value)
+            if not _trusted(owner.__module__):
+                self.value(value, place)
+            elif place.plain:  # torch's default, which a user class may set per layer
+                self.places[("class", id(space), name)] = place
         elif name in vars(space):
             namespace = vars(space)
             self.value(namespace[name], _place("dict", namespace, name, namespace[name]))
@@ -455,7 +459,9 @@ class _Walk:
                     if isinstance(method, staticmethod):  # __new__
                         method = method.__func__
                     if isinstance(method, types.FunctionType):
-                        self.pending.append((method, method.__code__.co_varnames[0]))
+                        # __new__'s first argument is the class: it writes no attribute
+                        new_object = None if name == "__new__" else method.__code__.co_varnames[0]
+                        self.pending.append((method, new_object))
 
     def value(self, value: Any, place: _Place | None) -> None:
         """Note ``value`` (read at ``place``), or raise if a replay cannot rely on it."""
