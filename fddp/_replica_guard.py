@@ -80,7 +80,7 @@ class ReplicaGuard:
         if not self._several_ranks():
             return
         what = f"arguments {list(self._argnums)} of {self._name}"
-        if self._digest_checks_left == 0:
+        if self._digest_checks_left < 2:  # a first call has been checked
             what += " after the first call (does the step average its gradients with fddp.pmean?)"
         checked = self._checked(args)
         if known is not None:
