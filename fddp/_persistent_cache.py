@@ -283,10 +283,18 @@ def _write_atomically(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        _touch(temporary)
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def _touch(path: Path | str) -> None:
+    """Mark ``path`` used now, by the precise clock (a write's time is the kernel's coarse one,
+    so a program loaded just after another was written could seem used first)."""
+    now = time.time_ns()
+    os.utime(path, ns=(now, now))
 
 
 def _evict(directory: Path, limit: int, keep: str) -> None:
@@ -412,7 +420,7 @@ def load(
         return None
     for file in (key.profile_path(), key.program_path(choice.cap)):
         with contextlib.suppress(OSError):  # a read-only directory
-            os.utime(file)  # recently used: the last to be evicted
+            _touch(file)  # recently used: the last to be evicted
     constants = torch.load(io.BytesIO(payload["tensors"]), weights_only=True)
     constants = {name: t.to(device) for name, t in constants.items()}
     for name, (path, shape, dtype, digest) in payload["located"].items():
