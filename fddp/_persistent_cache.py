@@ -157,7 +157,8 @@ def _usable(directory: str) -> Path | None:
         why = _unsafe(existing.resolve(), own=existing == path)  # before creating below it
         if why is None:
             _make_private(path)
-            why = _unsafe(path.resolve())
+            path = path.resolve()  # what was checked is what is used: no link swapped later
+            why = _unsafe(path)
     except OSError as e:
         why = f"it cannot be created ({e})"
     if why is not None:
