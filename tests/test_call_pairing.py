@@ -93,12 +93,22 @@ def check_a_skipped_call() -> dict:
     return {"outcome": outcome, "after": after}
 
 
-def check_a_per_rank_learning_rate() -> tuple[str, str]:
-    """Before: no error, the replicas drift."""
+def _rank_weighted(params, x):
+    """A graph that holds the rank by design: each rank's loss weighted by its index + 1."""
+    weight = (fddp.axis_index() + 1).to(x.dtype)
+    grads = fddp.pmean(fddp.grad(lambda p: weight * (p["w"] * x).sum())(params))
+    return {"w": params["w"] - 0.5 * grads["w"]}, fddp.pmean(weight)
+
+
+def check_a_per_rank_learning_rate() -> dict:
+    """Before: no error, the replicas drift. A step that reads the rank is not refused."""
     opt = optim.sgd(0.1 if fddp.rank() == 0 else 0.2)
     step, params = mlp_step(opt, SIZES)
     pstep = fddp.data_parallel(step)
-    return _outcome(lambda: pstep(params, opt.init(params), _batch()))
+    refused = _outcome(lambda: pstep(params, opt.init(params), _batch()))
+    x = torch.full((3,), float(fddp.rank() + 1))
+    new, mean_weight = fddp.data_parallel(_rank_weighted)({"w": torch.ones(3)}, x)
+    return {"refused": refused, "rank_weighted": (new["w"].tolist(), float(mean_weight))}
 
 
 def _zero_size_step(params, x):
@@ -188,8 +198,11 @@ def test_the_link_probe_sends_a_few_hundred_kilobytes(runs):
 
 
 def test_a_per_rank_learning_rate_is_refused_naming_the_node(runs):
-    outcomes = runs["per_rank_lr"]
+    outcomes = [out["refused"] for out in runs["per_rank_lr"]]
     assert outcomes[0] == outcomes[1]
+    # the gradient is the mean of (r + 1) * x_r = (r + 1)^2 over ranks 0 and 1: 2.5
+    for out in runs["per_rank_lr"]:
+        assert out["rank_weighted"] == ([1 - 0.5 * 2.5] * 3, 1.5)
     kind, message = outcomes[0]
     assert kind == "ScheduleMismatchError", message
     assert "node '" in message and "0.2" in message and "0.1" in message, message
