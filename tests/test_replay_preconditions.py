@@ -387,7 +387,8 @@ def _eager(step, args):
 def test_blocks_whose_parameters_are_detached_get_their_own_template(monkeypatch):
     """Block 0's parameters detached, blocks 1-3 trained: their gradients are not zero."""
     _check("plain", monkeypatch, frozen=("blocks.0.",))
-    _, grads = _step(_model("plain"), ("blocks.0.",))[0](*_step(_model("plain"))[1])
+    step, args = _step(_model("plain"), ("blocks.0.",))
+    _, grads = step(*args)
     assert all(grads[f"blocks.{i}.fc.weight"].abs().sum() > 0 for i in range(1, 4))
 
 
