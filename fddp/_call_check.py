@@ -13,7 +13,8 @@ Calls pair off in order, so a rank that skipped or repeated a call would pair it
 another rank's call k+1 and average gradients of other batches. The state a training loop passes
 back advances with every call (an optimizer's step count), so the values of the small tensors
 of the replicated arguments (``check_replicas``) enter the digest as well: such a rank differs in
-them and is named with them. Those are read on the CPU only, where reading costs no device sync.
+them and is named with them. Those are read on the CPU only, where reading costs no device sync,
+and not for a step that overlaps steps (its outputs come back pending).
 """
 
 from __future__ import annotations
@@ -232,7 +233,9 @@ class CallCheck:
                 self._lines.clear()
             arguments = signature.lines(leaf_paths(args))
             lines = [("the request", request), *self._options, *arguments]
-            small = small_replicated(args, self._replicated)
+            # with own_group (overlap_steps), replicated outputs come back as pending tensors,
+            # which reading would finish early, undoing the overlap across steps
+            small = [] if self._own_group else small_replicated(args, self._replicated)
             known = self._lines[key] = Known(lines, digest(lines), small)
         if not known.small:
             return Pending(self, known.lines, known.value, on_argument_mismatch)
