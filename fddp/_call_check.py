@@ -19,7 +19,6 @@ and not for a step that overlaps steps (its outputs come back pending).
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import time
 from collections.abc import Callable
@@ -196,15 +195,14 @@ class CallCheck:
         options: list[Line],
         *,
         own_group: bool,
-        replicated: tuple[int, ...] | None = None,
+        replicated: tuple[int, ...],
     ) -> None:
         """``replicated``: the argument positions that hold the same values on every rank
-        (the step's ``check_replicas``); by default, as its ``option check_replicas`` line
-        says."""
+        (the step's ``check_replicas``)."""
         self.name, self._group, self._options = name, group, options
         self.described_lines = 1 + len(options)  # the request, then how the step was built
         self._own_group = own_group
-        self._replicated = _replicated(options) if replicated is None else replicated
+        self._replicated = replicated
         self._side: dist.ProcessGroup | None = None
         self._agreed_once = False
         self._lines: dict[tuple[Signature, str], Known] = {}
@@ -252,11 +250,3 @@ class CallCheck:
         if self._own_group and self._agreed_once and self._side is None:
             self._side = _runtime.side_group(self._group)
         return self._side or self._group
-
-
-def _replicated(options: list[Line]) -> tuple[int, ...]:
-    """The positions an ``option check_replicas`` line names (none without one)."""
-    for label, value in options:
-        if label == "option check_replicas":
-            return tuple(ast.literal_eval(value))
-    return ()

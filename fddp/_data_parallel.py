@@ -89,7 +89,9 @@ class DataParallelStep:
         self._trace = trace
         self._profiling = False
         name = self.__name__
-        self._calls = CallCheck(name, group, described, own_group=options.overlap_steps)
+        self._calls = CallCheck(
+            name, group, described, own_group=options.overlap_steps, replicated=check_replicas
+        )
         self._programs: ProgramCache[Compiled] = ProgramCache(name, cache_size)
         self._replicas = ReplicaGuard(name, group, check_replicas)
         # Inside a user's torch.compile the step runs as one opaque call. Wrapped here, not at
@@ -135,7 +137,8 @@ class DataParallelStep:
             except RuntimeError as e:
                 if isinstance(e, RankFailureError) or not _runtime.is_peer_failure(e):
                     raise
-                raise _runtime.peer_failure(e, self.__name__, time.monotonic() - start) from e
+                where = f"{self.__name__}, call {self._calls.calls}"
+                raise _runtime.peer_failure(e, where, time.monotonic() - start) from e
 
     def _call(self, args: tuple) -> Any:
         _runtime.ensure_group()
