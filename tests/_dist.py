@@ -265,6 +265,15 @@ def _report(name: str, outcome: tuple[str, Any, float]) -> None:
     _report_conn.send_bytes(message)
 
 
+def raised(call: Callable[[], Any]) -> tuple[str, str]:
+    """What ``call()`` raised on this rank: the exception's type and first line, or ("ok", "")."""
+    try:
+        call()
+    except Exception as e:
+        return type(e).__name__, str(e).split("\n")[0]
+    return "ok", ""
+
+
 def free_port() -> int:
     """A TCP port on loopback that was free a moment ago."""
     return free_ports(1)[0]

@@ -13,6 +13,7 @@ from torch import nn
 import fddp
 import fddp.optim as optim
 from fddp import _axes, _collectives
+from fddp._schedule import _repeated
 from fddp._schedule._capture import Captured, capture
 
 
@@ -172,3 +173,20 @@ def captured_step(step, args: tuple) -> Captured:
     with _axes.bind(_collectives.process_axis("data", None, traced=True)):
         captured, _ = capture(step, args, tensors, fused_backward=True)
     return captured
+
+
+def captured_counting_replays(step, args: tuple, monkeypatch, *, replay: bool):
+    """``captured_step(step, args)`` with repeated-block replay on or off, and how many block
+    calls were replayed."""
+    replayed = []
+    call = _repeated._Call
+
+    def counted(template):
+        replayed.append(template)
+        return call(template)
+
+    with monkeypatch.context() as m:
+        m.setattr(_repeated, "ENABLED", replay)
+        m.setattr(_repeated, "_Call", counted)
+        captured = captured_step(step, args)
+    return captured, len(replayed)

@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 import torch
-from _dist import run_checks
+from _dist import raised, run_checks
 from _models import mlp_step, regression_batch
 
 import fddp
@@ -31,34 +31,25 @@ def _batch(rows: int = 4) -> dict:
     return regression_batch(fddp.rank(), rows, SIZES[0], SIZES[-1])
 
 
-def _outcome(call) -> tuple[str, str]:
-    """What every rank got: the exception's type and first line, or "ok"."""
-    try:
-        call()
-    except Exception as e:
-        return type(e).__name__, str(e).split("\n")[0]
-    return "ok", ""
-
-
 def check_bucket_cap_differs() -> tuple[str, str]:
     step, params, state = _mlp_step()
     pstep = fddp.data_parallel(step, bucket_cap_mb=None if fddp.rank() == 0 else 5.0)
-    return _outcome(lambda: pstep(params, state, _batch()))
+    return raised(lambda: pstep(params, state, _batch()))
 
 
 def check_schedule_on_rank_0_only() -> tuple[str, str]:
     step, params, state = _mlp_step()
     pstep = fddp.data_parallel(step)
     if fddp.rank() == 0:
-        return _outcome(lambda: print(pstep.schedule(params, state, _batch())))
-    return _outcome(lambda: pstep(params, state, _batch()))
+        return raised(lambda: print(pstep.schedule(params, state, _batch())))
+    return raised(lambda: pstep(params, state, _batch()))
 
 
 def check_comm_dtype_on_one_rank_eagerly() -> tuple[str, str]:
     step, params, state = _mlp_step()
     dtype = torch.bfloat16 if fddp.rank() == 1 else None
     pstep = fddp.data_parallel(step, trace=False, comm_dtype=dtype)
-    return _outcome(lambda: pstep(params, state, _batch()))
+    return raised(lambda: pstep(params, state, _batch()))
 
 
 def check_refused_call_leaves_donated_arguments() -> dict:
@@ -76,7 +67,7 @@ def check_refused_call_leaves_donated_arguments() -> dict:
     params, buffers = step(params, buffers, torch.ones(4, 6))
     before = {k: v.clone() for k, v in {**params, **buffers}.items()}
     rows = 4 if fddp.rank() == 0 else 5
-    outcome = _outcome(lambda: step(params, buffers, torch.ones(rows, 6)))
+    outcome = raised(lambda: step(params, buffers, torch.ones(rows, 6)))
     after = {**params, **buffers}
     return {
         "outcome": outcome,
@@ -118,7 +109,7 @@ def check_pending_outputs_complete_before_their_memory_is_read() -> dict:
     copied = copy.deepcopy(pending_output())
     shared = pending_output()
     shared.share_memory_()
-    parameter = _outcome(lambda: torch.nn.Parameter(pending_output()))
+    parameter = raised(lambda: torch.nn.Parameter(pending_output()))
     return {
         "dlpack": torch.equal(via_dlpack, expected),
         "deepcopy": type(copied) is torch.Tensor and torch.equal(copied, expected),

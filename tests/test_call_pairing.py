@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run_checks
+from _dist import raised, run_checks
 from _models import mlp_step, regression_batch
 
 import fddp
@@ -20,14 +20,6 @@ import fddp.optim as optim
 from fddp import _machine
 
 SIZES = (6, 8, 3)
-
-
-def _outcome(call) -> tuple[str, str]:
-    try:
-        call()
-    except Exception as e:
-        return type(e).__name__, str(e).split("\n")[0]
-    return "ok", ""
 
 
 def _batch() -> dict:
@@ -42,7 +34,7 @@ def check_machine_figures_from_a_manifest() -> dict:
         _machine.restore([["cpu", 2, *([0.0] * fields)]])
     step, params = mlp_step(optim.sgd(0.1), SIZES)
     pstep = fddp.data_parallel(step)
-    outcome = _outcome(lambda: pstep(params, optim.sgd(0.1).init(params), _batch()))
+    outcome = raised(lambda: pstep(params, optim.sgd(0.1).init(params), _batch()))
     measured = _machine.measured(None, torch.device("cpu"))
     return {
         "warnings": [str(w.message).split(":")[1] for w in caught],
@@ -87,9 +79,9 @@ def check_a_skipped_call() -> dict:
         history.append((params, state))
     if fddp.rank() == 1:
         params, state = history[1]
-    outcome = _outcome(lambda: pstep(params, state, _batch()))
+    outcome = raised(lambda: pstep(params, state, _batch()))
     params, state = history[2]  # all ranks alike again: the step goes on
-    after = _outcome(lambda: pstep(params, state, _batch()))
+    after = raised(lambda: pstep(params, state, _batch()))
     return {"outcome": outcome, "after": after}
 
 
@@ -105,7 +97,7 @@ def check_a_per_rank_learning_rate() -> dict:
     opt = optim.sgd(0.1 if fddp.rank() == 0 else 0.2)
     step, params = mlp_step(opt, SIZES)
     pstep = fddp.data_parallel(step)
-    refused = _outcome(lambda: pstep(params, opt.init(params), _batch()))
+    refused = raised(lambda: pstep(params, opt.init(params), _batch()))
     x = torch.full((3,), float(fddp.rank() + 1))
     new, mean_weight = fddp.data_parallel(_rank_weighted)({"w": torch.ones(3)}, x)
     return {"refused": refused, "rank_weighted": (new["w"].tolist(), float(mean_weight))}
@@ -165,7 +157,7 @@ def check_a_rank_exits_early() -> tuple[str, str] | None:
     if fddp.rank() == 1:
         dist.destroy_process_group()
         return None
-    return _outcome(lambda: pstep(params, state, _batch()))
+    return raised(lambda: pstep(params, state, _batch()))
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
-from _models import Block, captured_step, next_token_loss, token_batch
+from _models import Block, captured_counting_replays, next_token_loss, token_batch
 from torch import nn
 
 import fddp
@@ -156,19 +156,9 @@ def _step(model: nn.Module, *, autocast: bool = False):
 
 def _capture(step, args, monkeypatch, *, replay: bool):
     """The captured graph of ``step(*args)`` and how many block calls were replayed."""
-    replayed = []
-    call = _repeated._Call
-
-    def counted(template):
-        replayed.append(template)
-        return call(template)
-
-    with monkeypatch.context() as m:
-        m.setattr(_repeated, "ENABLED", replay)
-        m.setattr(_repeated, "_Call", counted)
-        captured = captured_step(step, args)
+    captured, replays = captured_counting_replays(step, args, monkeypatch, replay=replay)
     assert captured.graph is not None
-    return captured, len(replayed)
+    return captured, replays
 
 
 def _targets(graph: torch.fx.Graph) -> collections.Counter:

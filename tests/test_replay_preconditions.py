@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _dist import run_checks
-from _models import captured_step, next_token_loss, token_batch
+from _models import captured_counting_replays, captured_step, next_token_loss, token_batch
 from torch import nn
 
 import fddp
@@ -346,20 +346,10 @@ def _step(model: nn.Module, frozen: tuple[str, ...] = ()):
 
 def _run(step, args, monkeypatch, *, replay: bool) -> tuple[list[torch.Tensor], int]:
     """The captured step's outputs, and how many block calls were replayed."""
-    replayed = []
-    call = _repeated._Call
-
-    def counted(template):
-        replayed.append(template)
-        return call(template)
-
-    with monkeypatch.context() as m:
-        m.setattr(_repeated, "ENABLED", replay)
-        m.setattr(_repeated, "_Call", counted)
-        captured = captured_step(step, args)
+    captured, replays = captured_counting_replays(step, args, monkeypatch, replay=replay)
     assert captured.graph is not None and captured.method == "make_fx"
     tensors = [x.clone() for x in optree.tree_leaves(args) if isinstance(x, torch.Tensor)]
-    return list(captured.graph(*tensors)), len(replayed)
+    return list(captured.graph(*tensors)), replays
 
 
 def _check(case: str, monkeypatch, frozen: tuple[str, ...] = ()) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import optree
 import pytest
 import torch
-from _models import captured_step, token_batch
+from _models import captured_counting_replays, token_batch
 from torch import nn
 from transformers import (
     BertConfig,
@@ -21,7 +21,6 @@ from transformers import (
 )
 
 import fddp
-from fddp._schedule import _repeated
 
 LAYERS = 3
 
@@ -98,20 +97,10 @@ def _step(model: nn.Module, frozen: str | None):
 def _run(name: str, frozen: bool, monkeypatch, *, replay: bool):
     model, first = _model(name)
     step, args = _step(model, first if frozen else None)
-    replayed = []
-    call = _repeated._Call
-
-    def counted(template):
-        replayed.append(template)
-        return call(template)
-
-    with monkeypatch.context() as m:
-        m.setattr(_repeated, "ENABLED", replay)
-        m.setattr(_repeated, "_Call", counted)
-        captured = captured_step(step, args)
+    captured, replays = captured_counting_replays(step, args, monkeypatch, replay=replay)
     assert captured.graph is not None and captured.method == "make_fx"
     tensors = [x.clone() for x in optree.tree_leaves(args) if isinstance(x, torch.Tensor)]
-    return list(captured.graph(*tensors)), len(replayed), step, args
+    return list(captured.graph(*tensors)), replays, step, args
 
 
 EXPECTED = {"gpt2": 0, "bert": 0, "llama": 0, "torch encoder": LAYERS, "torch decoder": LAYERS}
