@@ -429,8 +429,17 @@ def test_tensors_kept_outside_the_block_are_the_capture_s_own(case, monkeypatch)
     _check(case, monkeypatch)
 
 
-def test_plain_blocks_are_still_replayed(monkeypatch):
+def test_plain_blocks_are_still_replayed_from_one_template(monkeypatch):
+    templates = []
+    template = _repeated._template
+
+    def counted(*args):
+        templates.append(template(*args))
+        return templates[-1]
+
+    monkeypatch.setattr(_repeated, "_template", counted)
     assert _check("plain", monkeypatch) == 4
+    assert len(templates) == 1 and templates[0] is not None  # the blocks' forwards are their own
 
 
 def _train(case: str, frozen: tuple[str, ...], *, replay: bool) -> dict[str, torch.Tensor]:

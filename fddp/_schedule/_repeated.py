@@ -117,6 +117,15 @@ class _Session:
     reads: dict[Any, _Reads | None] = dataclasses.field(default_factory=dict)
 
 
+# the forwards _replaying installs on blocks: not part of a block's structure (each block's is
+# its own closure)
+_REPLAYING_FORWARDS: dict[int, Callable[..., Any]] = {}
+
+
+def _installed(value: Any) -> bool:
+    return _REPLAYING_FORWARDS.get(id(value)) is value
+
+
 @contextlib.contextmanager
 def _replaying(session: _Session, model: nn.Module) -> Iterator[None]:
     patched = []
@@ -126,10 +135,12 @@ def _replaying(session: _Session, model: nn.Module) -> Iterator[None]:
                 continue
             original = block.forward
             block.forward = _replaying_forward(block, original, session)
+            _REPLAYING_FORWARDS[id(block.forward)] = block.forward
             patched.append(block)
         yield
     finally:
         for block in patched:
+            _REPLAYING_FORWARDS.pop(id(block.forward), None)
             del block.forward
 
 
@@ -174,7 +185,7 @@ def _structure(block: nn.Module) -> Any:
     for name, module in block.named_modules(remove_duplicate=False):
         attributes = []
         for key, value in sorted(vars(module).items()):
-            if key in ("_parameters", "_buffers", "_modules"):
+            if key in ("_parameters", "_buffers", "_modules") or _installed(value):
                 continue
             if key in _HOOKS or key.endswith("_hooks"):
                 if value:
