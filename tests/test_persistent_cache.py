@@ -23,6 +23,7 @@ from _models import mlp_step, regression_batch
 
 import fddp
 import fddp.optim as optim
+from fddp._schedule import _store
 
 SIZES = (8, 16, 4)
 LOADED = "loaded from cache"
@@ -204,7 +205,11 @@ def test_a_loaded_program_shows_the_same_graph(cache):
 
 
 def _job(directory: str, sizes: tuple[int, ...]):
-    """One job of two ranks: three AdamW steps with the cache in ``directory``."""
+    """One job of two ranks: three AdamW steps with the cache in ``directory``; what the steps
+    captured, their results, and how many graphs were built from a cached program's nodes."""
+    built = []
+    decode_graph = _store.decode_graph
+    _store.decode_graph = lambda *args: built.append(1) or decode_graph(*args)
     fddp.set_cache_dir(directory)
     opt = optim.adamw(1e-2)
     step, params = mlp_step(opt, sizes)
@@ -214,16 +219,18 @@ def _job(directory: str, sizes: tuple[int, ...]):
         batch = regression_batch(10 * i + fddp.rank(), 8, sizes[0], sizes[-1])
         params, state, loss = pstep(params, state, batch)
     how = pstep.schedule(params, state, batch).captured_with
-    return how, detached((params, state, loss))
+    return how, detached((params, state, loss)), len(built)
 
 
 def test_a_restarted_job_loads_its_programs_on_every_rank(tmp_path):
     directory = str(tmp_path / "programs")
     fresh = run_ranks(_job, 2, directory, SIZES)
     restarted = run_ranks(_job, 2, directory, SIZES)
-    assert [how for how, _ in fresh] == ["make_fx"] * 2
-    assert [how for how, _ in restarted] == [f"make_fx, {LOADED}"] * 2
-    assert_trees_equal([out for _, out in restarted], [out for _, out in fresh])
+    assert [how for how, _, _ in fresh] == ["make_fx"] * 2
+    assert [how for how, _, _ in restarted] == [f"make_fx, {LOADED}"] * 2
+    assert_trees_equal([out for _, out, _ in restarted], [out for _, out, _ in fresh])
+    # the ranks compare a loaded program's graph by the digest kept with it: none is built
+    assert [built for _, _, built in restarted] == [0, 0]
 
 
 def test_concurrent_jobs_share_a_directory(tmp_path):
@@ -240,8 +247,8 @@ def test_concurrent_jobs_share_a_directory(tmp_path):
     for t in threads:
         t.join()
     later = run_ranks(_job, 2, directory, sizes)
-    assert [how for how, _ in later] == [f"make_fx, {LOADED}"] * 2
-    outputs = [[out for _, out in results[i]] for i in (0, 1)]
+    assert [how for how, _, _ in later] == [f"make_fx, {LOADED}"] * 2
+    outputs = [[out for _, out, _ in results[i]] for i in (0, 1)]
     assert_trees_equal(outputs[1], outputs[0])
-    assert_trees_equal([out for _, out in later], outputs[0])
+    assert_trees_equal([out for _, out, _ in later], outputs[0])
     assert list(Path(directory).rglob(".writing-*")) == []  # no temporary file left behind

@@ -12,7 +12,6 @@ from typing import Any
 
 import optree
 import torch
-from torch import fx
 
 from fddp._agree import Difference, Line
 from fddp._bucket_policy import CapPolicy, Choice
@@ -31,7 +30,7 @@ from fddp._schedule import (
     _replication,
 )
 from fddp._schedule._capture import Captured, capture
-from fddp._schedule._graph import is_collective
+from fddp._schedule._graph import comparable_lines
 from fddp._schedule._program import Compiled, Program, collector_paused
 from fddp._sharded_params import ShardedParams
 from fddp._zero import ShardedState
@@ -178,8 +177,13 @@ def compile_step(
     lines += [(f"collective #{i}", s) for i, s in enumerate(sequence)]
     difference = compare(lines)
     if difference is None and compiled and not holds_shards(args):
-        # compared once the sequences agree, so that a missing collective is named as one
-        difference = compare(graph_lines(compiled.program.graph))
+        # compared once the sequences agree, so that a missing collective is named as one; a
+        # program loaded from the cache keeps its graph's digest, and builds the graph only to
+        # name the difference
+        program = compiled.program
+        difference = compare([("the graph", f"{program.graph_digest():014x}")])
+        if difference is not None:
+            difference = compare(comparable_lines(program.graph)) or difference
     if error is not None:
         raise error
     assert compiled is not None
@@ -215,59 +219,3 @@ def holds_shards(args: tuple) -> bool:
     sharded = (ShardedParams, ShardedState)
     leaves = optree.tree_leaves(args, is_leaf=lambda x: isinstance(x, sharded), none_is_leaf=True)
     return any(isinstance(x, sharded) for x in leaves)
-
-
-def graph_lines(gm: fx.GraphModule) -> list[Line]:
-    """Every node of ``gm`` as a labelled line, comparable across ranks: its operator and its
-    arguments, with the constants among them.
-
-    What differs per rank by construction is left out: integers (the rank, and the offsets of
-    its own rows, enter the graph as integers; shapes are agreed with the signature), the device
-    index (rank r computes on cuda:r), the values of tensor constants (``axis_index`` is one),
-    of which only dtype and shape are compared, and the constants of collectives (their process
-    group's name is per process; the collective sequence compares them).
-    """
-    lines = []
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            value = getattr(gm, str(node.target), None)
-            text = (
-                f"constant {value.dtype} {list(value.shape)}"
-                if isinstance(value, torch.Tensor)
-                else f"constant {type(value).__name__}"
-            )
-        elif is_collective(node):  # its group's name is per process: the sequence has it
-            text = f"{_target(node.target)}({_portable(node.all_input_nodes)})"
-        elif node.op == "call_function":
-            text = f"{_target(node.target)}({_portable(node.args)}, {_portable(node.kwargs)})"
-        else:
-            text = f"{node.op}({_portable(node.args)})"
-        lines.append((f"node '{node.name}'", text))
-    return lines
-
-
-def _target(target: Any) -> str:
-    if isinstance(target, torch._ops.OpOverload):
-        return str(target)
-    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', target)}"
-
-
-def _portable(value: Any) -> str:
-    """``value`` as text that two ranks that built the step alike write alike."""
-    if isinstance(value, fx.Node):
-        return value.name
-    if isinstance(value, bool) or value is None:
-        return repr(value)
-    if isinstance(value, int):
-        return "int"
-    if isinstance(value, (float, str, torch.dtype, torch.layout, torch.memory_format)):
-        return repr(value)
-    if isinstance(value, torch.device):
-        return value.type
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_portable(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_portable(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, slice):
-        return f"slice({_portable((value.start, value.stop, value.step))})"
-    return type(value).__name__

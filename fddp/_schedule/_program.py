@@ -14,8 +14,10 @@ import torch
 from torch import fx
 
 from fddp import _axes
+from fddp._agree import digest
 from fddp._schedule import _across_steps, _backend, _cost, _gate, _plan
 from fddp._schedule._capture import Captured, DynamoCapture
+from fddp._schedule._graph import comparable_lines
 from fddp._signature import leaf_paths
 
 RANK_SOURCE = "the rank (fddp.axis_index, or a psum_scatter block)"
@@ -59,10 +61,17 @@ class Program:
     across_steps: _across_steps.AcrossSteps | None = None  # overlap_steps=True, if any wait
     gated: bool = False  # a gate settles the call's signature check before the first collective
     generated: _backend.Generated | None = None  # the fx backend's code
+    known_graph_digest: int | None = None  # kept with a program in the persistent cache
 
     @functools.cached_property
     def graph(self) -> fx.GraphModule:
         return self.graph_of()
+
+    def graph_digest(self) -> int:
+        """The digest of the graph as the ranks compare it (``_graph.comparable_lines``)."""
+        if self.known_graph_digest is None:
+            self.known_graph_digest = digest(comparable_lines(self.graph))
+        return self.known_graph_digest
 
 
 @dataclasses.dataclass

@@ -216,6 +216,7 @@ def encode(program: Program, captured: Captured) -> Stored:
         "outputs": captured.outputs,
         "out_spec": captured.out_spec,
         "method": captured.method,
+        "graph_digest": program.graph_digest(),
     }
     if generated is not None:
         meta["globals"] = {k: _encode_global(v) for k, v in generated.fx_globals.items()}
@@ -267,6 +268,7 @@ def decode(stored: Stored, backend: str, profile: _cost.Profile) -> tuple[Progra
         None,
         meta["gated"],
         generated,
+        meta.get("graph_digest"),
     )
     captured = Captured(None, inputs, 0.0, meta["outputs"], meta["out_spec"], meta["method"])
     return program, captured
