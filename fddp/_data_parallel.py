@@ -278,6 +278,7 @@ class DataParallelStep:
                 ),
                 agreed_cap=agreed_cap,
                 method=self._capture_method,
+                compare_graphs=not _sharded_params.holds_shards(args),
             )
         self._capture_method = compiled.captured.method
         signature = self._with_modes(signature, args, compiled)

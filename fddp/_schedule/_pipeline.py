@@ -10,7 +10,6 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import optree
 import torch
 
 from fddp._agree import Difference, Line
@@ -32,8 +31,6 @@ from fddp._schedule import (
 from fddp._schedule._capture import Captured, capture
 from fddp._schedule._graph import comparable_lines
 from fddp._schedule._program import Compiled, Program, collector_paused
-from fddp._sharded_params import ShardedParams
-from fddp._zero import ShardedState
 
 BACKENDS = ("fx", "inductor")  # run the scheduled FX graph, or compile it with Inductor
 
@@ -148,11 +145,14 @@ def compile_step(
     cached: Callable[[], Compiled | None] | None = None,
     agreed_cap: int | None = None,
     method: str = "make_fx",
+    compare_graphs: bool = True,
 ) -> Compiled:
     """Capture and schedule ``step_fn(*args)`` (or take what ``cached`` returns, a program
     from the persistent cache), then compare the outcome across ranks.
 
-    ``method`` is how this step was captured before (see ``capture``). ``compare`` compares
+    ``method`` is how this step was captured before (see ``capture``). ``compare_graphs``: also
+    compare the graphs node by node (not for steps over sharded state, whose graphs update each
+    rank's own shards). ``compare`` compares
     labelled lines across the ranks (a collective). Every rank learns
     every rank's capture outcome and collective sequence: a capture error on one rank is raised
     on every rank (the others name it), and ranks that compiled different collective
@@ -176,7 +176,7 @@ def compile_step(
     sequence = compiled.program.sequence if compiled else []
     lines += [(f"collective #{i}", s) for i, s in enumerate(sequence)]
     difference = compare(lines)
-    if difference is None and compiled and not holds_shards(args):
+    if difference is None and compiled and compare_graphs:
         # compared once the sequences agree, so that a missing collective is named as one; a
         # program loaded from the cache keeps its graph's digest, and builds the graph only to
         # name the difference
@@ -211,11 +211,3 @@ def compile_step(
         "issue the same collectives with the same shapes on every rank: check that every rank "
         "passes batches of the same shape and that no branch depends on the rank."
     )
-
-
-def holds_shards(args: tuple) -> bool:
-    """Whether ``args`` hold sharded parameters or optimizer state: each rank's graph then
-    updates its own shards, with nodes of its own, so the graphs are not compared."""
-    sharded = (ShardedParams, ShardedState)
-    leaves = optree.tree_leaves(args, is_leaf=lambda x: isinstance(x, sharded), none_is_leaf=True)
-    return any(isinstance(x, sharded) for x in leaves)
