@@ -6,6 +6,7 @@ foreach kernels have no batching rules: there each transformation takes ordinary
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Callable, Sequence
@@ -16,6 +17,7 @@ import torch
 
 from fddp import _gathered
 from fddp._collectives import psum
+from fddp._errors import UsageTypeError, UsageValueError
 from fddp._types import (
     GradientTransformation,
     OptState,
@@ -28,7 +30,7 @@ from fddp._types import (
     Updates,
 )
 
-Schedule = Callable[[torch.Tensor], Any]
+Schedule = Callable[[Any], Any]  # of the step count: an int64 0-d tensor or a Python int
 
 # The optimizer protocol lives in fddp._types (public as fddp.typing); fddp.optim keeps its
 # short names.
@@ -158,6 +160,11 @@ def _zero_count(leaves: list[torch.Tensor]) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64, device=device)
 
 
+def _nonzero(value: float | torch.Tensor) -> bool:
+    """Whether a coefficient may be nonzero: a tensor (an injected hyperparameter) always may."""
+    return isinstance(value, torch.Tensor) or bool(value)
+
+
 def _check_schedule(value: ScalarOrSchedule, name: str) -> None:
     if not (callable(value) or isinstance(value, (int, float, torch.Tensor))):
         raise TypeError(
@@ -278,7 +285,7 @@ def scale_by_learning_rate(
     return scale(sign * learning_rate)
 
 
-def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
+def add_decayed_weights(weight_decay: float | torch.Tensor = 0.0) -> GradientTransformation:
     """Adds ``weight_decay * params`` to the updates.
 
     Before an Adam or momentum transformation this is L2 regularisation (``torch.optim.Adam``'s
@@ -286,7 +293,8 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
     (``torch.optim.AdamW``).
 
     Args:
-        weight_decay: The coefficient.
+        weight_decay: The coefficient: a float, or a 0-d tensor (as ``inject_hyperparams``
+            passes it).
 
     Example:
         >>> import torch
@@ -307,7 +315,11 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
         param_leaves = _params_like(params, spec, "add_decayed_weights")
         if not leaves:
             return updates, state
-        new = _foreach(torch._foreach_add, leaves, param_leaves, alpha=weight_decay)
+        if isinstance(weight_decay, torch.Tensor):  # injected: a 0-d tensor, not a constant
+            decay = _with_scalar(torch._foreach_mul, param_leaves, weight_decay)
+            new = _foreach(torch._foreach_add, leaves, decay)
+        else:
+            new = _foreach(torch._foreach_add, leaves, param_leaves, alpha=weight_decay)
         return optree.tree_unflatten(spec, new), state
 
     return GradientTransformation(init, update)
@@ -544,6 +556,246 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
+class MaskedState(NamedTuple):
+    """The state of :func:`masked`: ``inner``'s state over the masked-in leaves (a list)."""
+
+    inner_state: OptState
+
+
+_SHARDED_MASK_FIX = (
+    "inside fddp.optim.shard_state the parameters are flat shards of many leaves, which a mask "
+    "by leaf cannot select: mask outside the sharded part instead, e.g. for a masked AdamW "
+    "chain(shard_state(scale_by_adam()), masked(add_decayed_weights(wd), mask), "
+    "scale_by_learning_rate(lr))"
+)
+
+
+def _mask_leaves(mask: Any, tree: TensorTree, spec: optree.PyTreeSpec, who: str) -> list[bool]:
+    """The mask's bools, one per leaf of ``tree`` (whose structure is ``spec``)."""
+    mask_tree = mask(tree) if callable(mask) else mask
+    flags, mask_spec = optree.tree_flatten(mask_tree, none_is_leaf=False)
+    if mask_spec != spec:
+        raise UsageValueError(
+            f"{who}: the mask's tree structure {mask_spec} is not the parameters' {spec}; pass "
+            "a pytree of bools with the parameters' structure, or a function params -> that "
+            f"pytree ({_SHARDED_MASK_FIX})."
+        )
+    if not all(isinstance(f, bool) for f in flags):
+        bad = next(type(f).__name__ for f in flags if not isinstance(f, bool))
+        raise UsageTypeError(
+            f"{who}: mask leaves must be Python bools (the selection is fixed when the step is "
+            f"traced); got a {bad}. Build the mask from names or shapes, e.g. "
+            "{name: p.ndim > 1 for name, p in params.items()}."
+        )
+    return flags
+
+
+def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
+    """Applies ``inner`` to the masked-in leaves only; the others' updates pass through unchanged.
+
+    As optax's ``masked``: ``inner`` sees (and its state holds) only the leaves whose mask is
+    True, as a list in the parameters' leaf order. The usual use is a weight decay that skips
+    biases and norm weights (``adamw(..., mask=...)``).
+
+    Inside ``fddp.optim.shard_state`` the parameters ``inner`` sees are flat shards of many
+    leaves, so a mask by leaf cannot apply there: ``update`` raises. Keep the mask outside
+    the sharded part: ``chain(shard_state(scale_by_adam()), masked(add_decayed_weights(wd),
+    mask), scale_by_learning_rate(lr))`` is a sharded masked AdamW (the decay and the learning
+    rate keep no per-parameter state).
+
+    Args:
+        inner: the transformation for the masked-in leaves.
+        mask: a pytree of Python bools with the parameters' structure, or a function
+            ``params -> that pytree`` (called with the params in ``init`` and in ``update``,
+            with the updates where no params are given).
+
+    Returns:
+        A ``GradientTransformation`` whose state is a :class:`MaskedState`.
+
+    Example:
+        >>> import torch
+        >>> from fddp.optim import masked, scale
+        >>> opt = masked(scale(-1.0), {"w": True, "b": False})
+        >>> params = {"w": torch.tensor(1.0), "b": torch.tensor(1.0)}
+        >>> opt.update({"w": torch.tensor(2.0), "b": torch.tensor(2.0)}, opt.init(params))[0]
+        {'w': tensor(-2.), 'b': tensor(2.)}
+    """
+    if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
+        raise UsageTypeError(
+            f"masked() takes a GradientTransformation, got {type(inner).__name__}; "
+            "call the factory, e.g. masked(add_decayed_weights(0.01), mask)."
+        )
+    takes = takes_shard_axes(inner)
+
+    def init(params: Params) -> MaskedState:
+        leaves, spec = _flatten(params)
+        flags = _mask_leaves(mask, params, spec, "masked")
+        return MaskedState(inner.init([x for x, f in zip(leaves, flags, strict=True) if f]))
+
+    def update(
+        updates: Updates,
+        state: OptState,
+        params: Params | None = None,
+        *,
+        shard_axes: Sequence[str] = (),
+    ) -> tuple[Updates, OptState]:
+        if shard_axes:
+            raise UsageValueError(f"masked: {_SHARDED_MASK_FIX}.")
+        leaves, spec = _flatten(updates)
+        flags = _mask_leaves(mask, updates if params is None else params, spec, "masked")
+        chosen = [i for i, f in enumerate(flags) if f]
+        inner_params = None
+        if params is not None:
+            param_leaves = _params_like(params, spec, "masked")
+            inner_params = [param_leaves[i] for i in chosen]
+        inner_updates, inner_state = call_update(
+            inner, takes, [leaves[i] for i in chosen], state.inner_state, inner_params, ()
+        )
+        out = list(leaves)
+        for i, u in zip(chosen, _flatten(inner_updates)[0], strict=True):
+            out[i] = u
+        return optree.tree_unflatten(spec, out), MaskedState(inner_state)
+
+    return GradientTransformation(init, update)
+
+
+class InjectHyperparamsState(NamedTuple):
+    """The state of :func:`inject_hyperparams`: a step count (int64 0-d tensor), the current
+    hyperparameters (name -> float64 0-d tensor) and the optimizer's own state."""
+
+    count: torch.Tensor  # type: ignore[assignment]  # optax's field name shadows tuple.count
+    hyperparams: dict[str, torch.Tensor]
+    inner_state: OptState
+
+
+def inject_hyperparams(
+    optimizer_factory: Callable[..., GradientTransformation],
+    *,
+    static_args: Sequence[str] = (),
+) -> Callable[..., GradientTransformation]:
+    """Keeps an optimizer's numeric hyperparameters in its state, where they can be changed.
+
+    As optax's ``inject_hyperparams``: ``inject_hyperparams(adamw)(lr=1e-3, weight_decay=0.01)``
+    is ``adamw(lr=1e-3, weight_decay=0.01)`` whose state is an :class:`InjectHyperparamsState`.
+    Each number passed (and each schedule, evaluated at every update from the state's count)
+    is a float64 0-d tensor in ``state.hyperparams`` under the factory's own argument name
+    (``lr`` for fddp's optimizers); replace one between steps
+    (``state.hyperparams["lr"] = torch.tensor(1e-4, dtype=torch.float64)``) and the next update
+    uses it. In a traced step the values are inputs of the program, not constants: changing
+    them does not retrace. Arguments that are not numbers (a mask, ``nesterov``) and those
+    named in ``static_args`` are passed as given. The optimizer is built anew from the factory
+    at each update, with the tensors; fddp's ``lr`` and ``weight_decay`` take them, while
+    ``b1``, ``b2``, ``eps`` and ``momentum`` must be static (left to their defaults or named
+    in ``static_args``).
+
+    Args:
+        optimizer_factory: a function of hyperparameters returning a ``GradientTransformation``,
+            e.g. ``fddp.optim.adamw``.
+        static_args: names of numeric arguments to keep as Python values.
+
+    Returns:
+        A function taking the factory's arguments and returning the ``GradientTransformation``.
+
+    Example:
+        >>> import torch
+        >>> from fddp.optim import inject_hyperparams, sgd
+        >>> opt = inject_hyperparams(sgd)(lr=0.1)
+        >>> state = opt.init([torch.tensor(1.0)])
+        >>> state.hyperparams["lr"] = torch.tensor(0.5, dtype=torch.float64)
+        >>> opt.update([torch.tensor(2.0)], state)[0]
+        [tensor(-1.)]
+    """
+    signature = inspect.signature(optimizer_factory)
+    who = f"inject_hyperparams({getattr(optimizer_factory, '__name__', 'factory')})"
+
+    def build(*args: Any, **kwargs: Any) -> GradientTransformation:
+        names = ", ".join(signature.parameters)
+        unknown_kwargs = sorted(set(kwargs) - set(signature.parameters))
+        if unknown_kwargs and not any(
+            p.kind is p.VAR_KEYWORD for p in signature.parameters.values()
+        ):
+            raise UsageTypeError(
+                f"{who}: no hyperparameter named {', '.join(unknown_kwargs)}; the factory's "
+                f"arguments are: {names} (fddp's optimizers call the learning rate lr)."
+            )
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise UsageTypeError(f"{who}: {e}; the factory's arguments are: {names}.") from None
+        unknown = set(static_args) - set(signature.parameters)
+        if unknown:
+            raise UsageValueError(
+                f"{who}: static_args {sorted(unknown)} are not arguments of the factory; "
+                f"its arguments are: {', '.join(signature.parameters)}."
+            )
+        given = dict(bound.arguments)
+        numeric = {
+            k: v
+            for k, v in given.items()
+            if k not in static_args
+            and isinstance(v, (int, float, torch.Tensor))
+            and not isinstance(v, bool)
+        }
+        schedules = {
+            k: v
+            for k, v in given.items()
+            # a callable mask selects leaves; any other callable is a schedule
+            if k not in static_args and k not in numeric and callable(v) and k != "mask"
+        }
+        static = {k: v for k, v in given.items() if k not in numeric and k not in schedules}
+        injected = set(numeric) | set(schedules)
+        # built once with the given values: checks them, and decides whether update takes
+        # shard_axes (the factory builds the same chain from tensors)
+        takes = takes_shard_axes(optimizer_factory(**given))
+
+        def values(count: torch.Tensor, device: torch.device | None) -> dict[str, torch.Tensor]:
+            out = {
+                k: torch.as_tensor(v, dtype=torch.float64, device=device)
+                for k, v in numeric.items()
+            }
+            for k, fn in schedules.items():
+                out[k] = torch.as_tensor(fn(count), device=device).to(torch.float64)
+            return out
+
+        def init(params: Params) -> InjectHyperparamsState:
+            count = _zero_count(_flatten(params)[0])
+            hyperparams = values(count, count.device)
+            inner = optimizer_factory(**static, **hyperparams)
+            return InjectHyperparamsState(count, hyperparams, inner.init(params))
+
+        def update(
+            updates: Updates,
+            state: OptState,
+            params: Params | None = None,
+            *,
+            shard_axes: Sequence[str] = (),
+        ) -> tuple[Updates, OptState]:
+            if set(state.hyperparams) != injected:
+                raise UsageValueError(
+                    f"{who}: state.hyperparams has {sorted(state.hyperparams)}, but this "
+                    f"optimizer injects {sorted(injected)}; change the values of those names only "
+                    "(a name not injected is fixed: pass it to the factory call instead)."
+                )
+            hyperparams = dict(state.hyperparams)
+            if schedules:
+                hyperparams.update(
+                    {
+                        k: v
+                        for k, v in values(state.count, state.count.device).items()
+                        if k in schedules
+                    }
+                )
+            inner = optimizer_factory(**static, **hyperparams)
+            out, inner_state = call_update(
+                inner, takes, updates, state.inner_state, params, shard_axes
+            )
+            return out, InjectHyperparamsState(state.count + 1, hyperparams, inner_state)
+
+        return GradientTransformation(init, update)
+
+    return functools.wraps(optimizer_factory)(build)
+
+
 def apply_updates(params: ParamsT, updates: Updates) -> ParamsT:
     """Returns ``params + updates`` as new tensors, in the parameters' dtypes.
 
@@ -597,7 +849,7 @@ def sgd(
     if nesterov and momentum <= 0:
         raise ValueError("nesterov=True needs momentum > 0.")
     return chain(
-        add_decayed_weights(weight_decay) if weight_decay else identity(),
+        add_decayed_weights(weight_decay) if _nonzero(weight_decay) else identity(),
         trace(momentum, nesterov) if momentum else identity(),
         scale_by_learning_rate(lr),
     )
@@ -629,7 +881,7 @@ def adam(
         [tensor(0.9000)]
     """
     return chain(
-        add_decayed_weights(weight_decay) if weight_decay else identity(),
+        add_decayed_weights(weight_decay) if _nonzero(weight_decay) else identity(),
         scale_by_adam(b1, b2, eps),
         scale_by_learning_rate(lr),
     )
@@ -640,9 +892,15 @@ def adamw(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
-    weight_decay: float = 0.01,
+    weight_decay: float | torch.Tensor = 0.01,
+    mask: Any = None,
 ) -> GradientTransformation:
     """AdamW, step for step as ``torch.optim.AdamW``: params decay by ``lr * weight_decay``.
+
+    With ``mask``, only the masked-in parameters decay, as ``torch.optim.AdamW`` with a
+    ``weight_decay=0`` parameter group for the others (the usual recipe leaves biases and norm
+    weights undecayed). Inside ``fddp.optim.shard_state`` a mask by parameter cannot select
+    flat shards: there, see :func:`masked`.
 
     Args:
         lr: the learning rate: a float, or a schedule (a function of the step count).
@@ -650,6 +908,8 @@ def adamw(
         b2: Decay of the second moment.
         eps: Added to the denominator.
         weight_decay: Decoupled decay coefficient, scaled by the learning rate.
+        mask: None (all decay), a pytree of bools with the parameters' structure (True:
+            decays), or a function ``params -> that pytree``, as in :func:`masked`.
 
     Example:
         >>> import torch
@@ -660,15 +920,24 @@ def adamw(
         >>> apply_updates(params, updates)
         [tensor(0.8500)]
     """
+    decay = add_decayed_weights(weight_decay) if _nonzero(weight_decay) else identity()
     return chain(
         scale_by_adam(b1, b2, eps),
-        add_decayed_weights(weight_decay) if weight_decay else identity(),
+        decay if mask is None else masked(decay, mask),
         scale_by_learning_rate(lr),
     )
 
 
+def _count_f64(count: int | torch.Tensor) -> torch.Tensor:
+    """The step count as a float64 0-d tensor: a tensor count on its device, a Python int on
+    the CPU."""
+    if isinstance(count, torch.Tensor):
+        return count.to(torch.float64)
+    return torch.tensor(float(count), dtype=torch.float64)
+
+
 def constant_schedule(value: float) -> Schedule:
-    """A schedule that always returns ``value``.
+    """A schedule that always returns ``value``, for a Python int or a tensor count.
 
     Example:
         >>> import torch
@@ -685,19 +954,22 @@ def linear_schedule(
     """Goes linearly from ``init_value`` to ``end_value`` over ``transition_steps`` steps.
 
     Holds ``init_value`` for the first ``transition_begin`` steps and ``end_value`` after the
-    transition. The value is a float64 0-d tensor on the count's device.
+    transition. The count is a Python int or a tensor; the value is a float64 0-d tensor on the
+    count's device (the CPU for an int).
 
     Example:
         >>> import torch
         >>> from fddp.optim import linear_schedule
         >>> linear_schedule(1.0, 0.0, transition_steps=4)(torch.tensor(1))
         tensor(0.7500, dtype=torch.float64)
+        >>> float(linear_schedule(1.0, 0.0, transition_steps=4)(3))
+        0.25
     """
     if transition_steps <= 0:
         raise ValueError(f"transition_steps must be positive; got {transition_steps}.")
 
-    def schedule(count: torch.Tensor) -> torch.Tensor:
-        t = torch.clamp(count.to(torch.float64) - transition_begin, 0, transition_steps)
+    def schedule(count: int | torch.Tensor) -> torch.Tensor:
+        t = torch.clamp(_count_f64(count) - transition_begin, 0, transition_steps)
         return init_value + (end_value - init_value) * (t / transition_steps)
 
     return schedule
@@ -706,7 +978,8 @@ def linear_schedule(
 def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.0) -> Schedule:
     """Cosine decay from ``init_value`` to ``alpha * init_value`` over ``decay_steps`` steps.
 
-    The value is a float64 0-d tensor on the count's device.
+    The count is a Python int or a tensor; the value is a float64 0-d tensor on the count's
+    device (the CPU for an int).
 
     Example:
         >>> import torch
@@ -717,8 +990,8 @@ def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.
     if decay_steps <= 0:
         raise ValueError(f"decay_steps must be positive; got {decay_steps}.")
 
-    def schedule(count: torch.Tensor) -> torch.Tensor:
-        t = torch.clamp(count.to(torch.float64), max=decay_steps)
+    def schedule(count: int | torch.Tensor) -> torch.Tensor:
+        t = torch.clamp(_count_f64(count), max=decay_steps)
         cosine = 0.5 * (1.0 + torch.cos(math.pi * t / decay_steps))
         return init_value * ((1.0 - alpha) * cosine + alpha)
 
@@ -735,13 +1008,14 @@ def warmup_cosine_decay_schedule(
     """Linear warmup from ``init_value`` to ``peak_value``, then cosine decay to ``end_value``.
 
     ``decay_steps`` counts the warmup too, as in optax: the value reaches ``end_value`` at step
-    ``decay_steps``. The value is a float64 0-d tensor on the count's device.
+    ``decay_steps``. The count is a Python int or a tensor; the value is a float64 0-d tensor on
+    the count's device (the CPU for an int).
 
     Example:
         >>> import torch
         >>> from fddp.optim import warmup_cosine_decay_schedule
         >>> s = warmup_cosine_decay_schedule(0.0, 1.0, warmup_steps=2, decay_steps=6)
-        >>> [round(s(torch.tensor(i)).item(), 3) for i in (0, 1, 2, 4, 6, 9)]
+        >>> [round(s(i).item(), 3) for i in (0, 1, 2, 4, 6, 9)]
         [0.0, 0.5, 1.0, 0.5, 0.0, 0.0]
     """
     if not 0 <= warmup_steps < decay_steps:
@@ -751,8 +1025,8 @@ def warmup_cosine_decay_schedule(
         )
     cooldown = decay_steps - warmup_steps
 
-    def schedule(count: torch.Tensor) -> torch.Tensor:
-        t = count.to(torch.float64)
+    def schedule(count: int | torch.Tensor) -> torch.Tensor:
+        t = _count_f64(count)
         warm = init_value + (peak_value - init_value) * (t / max(warmup_steps, 1))
         s = torch.clamp(t - warmup_steps, 0, cooldown)
         cool = end_value + (peak_value - end_value) * 0.5 * (
