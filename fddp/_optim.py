@@ -681,12 +681,14 @@ def inject_hyperparams(
     is a float64 0-d tensor in ``state.hyperparams`` under the factory's own argument name
     (``lr`` for fddp's optimizers); replace one between steps
     (``state.hyperparams["lr"] = torch.tensor(1e-4, dtype=torch.float64)``) and the next update
-    uses it. In a traced step the values are inputs of the program, not constants: changing
-    them does not retrace. Arguments that are not numbers (a mask, ``nesterov``) and those
-    named in ``static_args`` are passed as given. The optimizer is built anew from the factory
-    at each update, with the tensors; fddp's ``lr`` and ``weight_decay`` take them, while
-    ``b1``, ``b2``, ``eps`` and ``momentum`` must be static (left to their defaults or named
-    in ``static_args``).
+    uses it (one given as a schedule is recomputed from the count at each update, so setting it
+    has no effect). In a traced step the values are inputs of the program, not constants:
+    changing them does not retrace. The optimizer is built anew from the factory at each
+    update, with the tensors. Injected are the numbers and schedules passed for arguments that are
+    unannotated or annotated to take a tensor or a schedule: of fddp's optimizers, ``lr`` and
+    ``weight_decay``. The others (``b1``, ``eps``, ``momentum``, whose values shape the
+    transformation or are checked when it is built; a mask; ``nesterov``), defaults, and
+    those named in ``static_args`` are passed as given and fixed.
 
     Args:
         optimizer_factory: a function of hyperparameters returning a ``GradientTransformation``,
@@ -733,6 +735,7 @@ def inject_hyperparams(
             k: v
             for k, v in given.items()
             if k not in static_args
+            and _takes_tensor(signature.parameters[k])
             and isinstance(v, (int, float, torch.Tensor))
             and not isinstance(v, bool)
         }
@@ -740,7 +743,11 @@ def inject_hyperparams(
             k: v
             for k, v in given.items()
             # a callable mask selects leaves; any other callable is a schedule
-            if k not in static_args and k not in numeric and callable(v) and k != "mask"
+            if k not in static_args
+            and k not in numeric
+            and _takes_tensor(signature.parameters[k])
+            and callable(v)
+            and k != "mask"
         }
         static = {k: v for k, v in given.items() if k not in numeric and k not in schedules}
         injected = set(numeric) | set(schedules)
@@ -796,6 +803,17 @@ def inject_hyperparams(
     return functools.wraps(optimizer_factory)(build)
 
 
+def _takes_tensor(parameter: inspect.Parameter) -> bool:
+    """Whether a factory's argument may be injected as a tensor: unannotated, or annotated to
+    take a tensor or a schedule (fddp's ``b1``, ``eps``, ``momentum`` are plain floats: their
+    values decide the transformation's structure or are checked when it is built)."""
+    annotation = parameter.annotation
+    if annotation is inspect.Parameter.empty:
+        return True
+    text = annotation if isinstance(annotation, str) else repr(annotation)
+    return "Tensor" in text or "Schedule" in text
+
+
 def apply_updates(params: ParamsT, updates: Updates) -> ParamsT:
     """Returns ``params + updates`` as new tensors, in the parameters' dtypes.
 
@@ -824,7 +842,7 @@ def sgd(
     lr: ScalarOrSchedule,
     momentum: float = 0.0,
     nesterov: bool = False,
-    weight_decay: float = 0.0,
+    weight_decay: float | torch.Tensor = 0.0,
 ) -> GradientTransformation:
     """Stochastic gradient descent, step for step as ``torch.optim.SGD`` (no dampening).
 
@@ -860,7 +878,7 @@ def adam(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
-    weight_decay: float = 0.0,
+    weight_decay: float | torch.Tensor = 0.0,
 ) -> GradientTransformation:
     """Adam, step for step as ``torch.optim.Adam`` (L2 weight decay added to the gradient).
 

@@ -286,6 +286,24 @@ def test_inject_hyperparams_under_torch_func_vmap_with_a_learning_rate_per_membe
     assert_trees_close((params, state.inner_state), expected, rtol=0, atol=TOL, what="vmap")
 
 
+def test_inject_hyperparams_keeps_structural_floats_fixed_and_traces_sgd_momentum():
+    inject = optim.inject_hyperparams(optim.sgd)
+    opt = inject(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-2)
+    step = _step(opt)
+    pstep = fddp.data_parallel(step)
+    params = _params()
+    state = opt.init(params)
+    assert set(state.hyperparams) == {"lr", "weight_decay"}  # momentum shapes the chain
+    inner = state.inner_state
+    for seed, lr in enumerate((0.1, 0.02, 0.05)):
+        state.hyperparams["lr"] = torch.tensor(lr, dtype=torch.float64)
+        x, y = _data(seed)
+        expected, inner = _step(optim.sgd(lr, 0.9, True, 1e-2))(params, inner, x, y)
+        params, state = pstep(params, state, x, y)
+        assert_trees_close((params, state.inner_state), (expected, inner), rtol=0, atol=TOL)
+    assert pstep.retraces == 0
+
+
 def test_inject_hyperparams_rejects_unknown_names():
     with pytest.raises(UsageTypeError, match="learning_rate"):
         optim.inject_hyperparams(optim.adamw)(learning_rate=1e-3)
