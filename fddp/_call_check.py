@@ -19,10 +19,11 @@ and not for a step that overlaps steps (its outputs come back pending).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from collections.abc import Callable
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple
 
 import optree
 import torch
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 from fddp import _runtime
 from fddp._agree import Difference, DigestCheck, Line, digest, first_difference, gather_lines
-from fddp._errors import RankFailureError, ScheduleMismatchError
+from fddp._errors import ScheduleMismatchError
 from fddp._sharded_params import sharded_positions
 from fddp._signature import Signature, leaf_paths
 
@@ -38,7 +39,6 @@ _LINES_KEPT = 64  # signatures whose lines are kept for the next calls
 SMALL_NUMEL = 8  # replicated tensors of at most this many elements have their values checked
 _VALUE = "the value of argument leaf "
 _COUNT = "the integer value of argument leaf "  # a step count, say: a skipped call
-T = TypeVar("T")
 
 
 class Small(NamedTuple):
@@ -109,24 +109,20 @@ class Pending:
         self._group = check.group()
         self._in_flight = None
         if value is not None:
-            self._in_flight = self._failing_alike(lambda: DigestCheck(value, self._group))
+            with self._peer_failures():
+                self._in_flight = DigestCheck(value, self._group)
 
-    def _failing_alike(self, collective: Callable[[], T]) -> T:
-        """Run ``collective``; a peer that died or hangs is a :class:`RankFailureError` that
-        names the step and this call."""
-        try:
-            return collective()
-        except RuntimeError as e:
-            if isinstance(e, RankFailureError) or not _runtime.is_peer_failure(e):
-                raise
-            where = f"{self._check.name}, call {self._call}"
-            raise _runtime.peer_failure(e, where, time.monotonic() - self._start) from e
+    def _peer_failures(self) -> contextlib.AbstractContextManager[None]:
+        """A peer that died or hangs is a :class:`RankFailureError` naming the step and call."""
+        return _runtime.peer_failures(f"{self._check.name}, call {self._call}", self._start)
 
     def settle(self) -> None:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
             return
-        if self._failing_alike(lambda: in_flight if in_flight.same() else None) is not None:
+        with self._peer_failures():
+            same = in_flight.same()
+        if same:
             self._check.agreed()
             return
         lines = [*self._lines, *value_lines(*self._values), ("the call", str(self._call))]

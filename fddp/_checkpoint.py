@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from fddp import _agree, _machine, _pending, _runtime
-from fddp._errors import RankFailureError, SaveArrivalError, UsageValueError
+from fddp._errors import SaveArrivalError, UsageValueError
 from fddp._sharded_params import ShardedParams
 from fddp._types import TensorTree
 from fddp._zero import ShardedState
@@ -193,12 +193,8 @@ def _peer_checked(
 ) -> T:
     """``fn(*args, **kwargs)``, a collective or store operation of ``where``, with a failure
     to hear from another rank raised as :class:`RankFailureError`."""
-    try:
+    with _runtime.peer_failures(where, start):
         return fn(*args, **kwargs)
-    except RuntimeError as e:
-        if isinstance(e, RankFailureError) or not _runtime.is_peer_failure(e):
-            raise
-        raise _runtime.peer_failure(e, where, time.monotonic() - start) from e
 
 
 def _check_arrival(path: str, number: int) -> None:

@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, overload
 
@@ -36,7 +35,6 @@ from fddp._agree import Line, find_difference
 from fddp._bucket_policy import CapPolicy
 from fddp._call_check import CallCheck
 from fddp._collectives import ProcessAxis, process_axis
-from fddp._errors import RankFailureError
 from fddp._program_cache import ProgramCache
 from fddp._replica_guard import (
     ReplicaGuard,
@@ -130,15 +128,11 @@ class DataParallelStep:
         return self._opaque_call(*args)
 
     def _guarded_call(self, *args: Any) -> Any:
-        with _step_lock.exclusive(self.__name__):
-            start = time.monotonic()
-            try:
-                return self._call(args)
-            except RuntimeError as e:
-                if isinstance(e, RankFailureError) or not _runtime.is_peer_failure(e):
-                    raise
-                where = f"{self.__name__}, call {self._calls.calls}"
-                raise _runtime.peer_failure(e, where, time.monotonic() - start) from e
+        with (
+            _step_lock.exclusive(self.__name__),
+            _runtime.peer_failures(lambda: f"{self.__name__}, call {self._calls.calls}"),
+        ):
+            return self._call(args)
 
     def _call(self, args: tuple) -> Any:
         _runtime.ensure_group()

@@ -16,7 +16,6 @@ import contextlib
 import copy
 import sys
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,7 +24,7 @@ import optree
 import torch
 
 from fddp import _runtime, _shutdown
-from fddp._errors import RankFailureError, UsageTypeError, UsageValueError
+from fddp._errors import UsageTypeError, UsageValueError
 
 _DONATED = object()  # a result handed to the next call's donated storage; it is gone
 _PARAMETER_NEW = torch.nn.Parameter.__new__.__code__
@@ -55,14 +54,8 @@ class Deferred:
             if self.done:
                 return
             assert self.carried is not None
-            start = time.monotonic()
-            with self.consuming():
-                try:
-                    results = self.tail(self.carried)
-                except RuntimeError as e:
-                    if isinstance(e, RankFailureError) or not _runtime.is_peer_failure(e):
-                        raise
-                    raise _runtime.peer_failure(e, self.where, time.monotonic() - start) from e
+            with self.consuming(), _runtime.peer_failures(self.where):
+                results = self.tail(self.carried)
             self.finish(results)
 
     @contextlib.contextmanager

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
+import time
 import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import optree
@@ -140,6 +143,21 @@ def is_peer_failure(error: BaseException) -> bool:
         s in text
         for s in ("gloo/transport", "Connection closed", "Connection reset", "NCCL", "pair closure")
     )
+
+
+@contextlib.contextmanager
+def peer_failures(where: str | Callable[[], str], start: float | None = None) -> Iterator[None]:
+    """Within the block, a collective's failure to hear from another rank (see
+    :func:`is_peer_failure`) is raised as :func:`peer_failure` of ``where`` (a callable: asked
+    when it fails), timed from ``start`` (default: the block's start)."""
+    start = time.monotonic() if start is None else start
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, RankFailureError) or not is_peer_failure(e):
+            raise
+        named = where() if callable(where) else where
+        raise peer_failure(e, named, time.monotonic() - start) from e
 
 
 def peer_failure(error: BaseException, where: str, seconds: float) -> RankFailureError:

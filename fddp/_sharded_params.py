@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +38,7 @@ from fddp._collectives import (
     named_axis,
     process_axis,
 )
-from fddp._errors import RankFailureError, UsageValueError
+from fddp._errors import UsageValueError
 from fddp._tree import path_str, tensor_leaves
 from fddp._zero import (
     Bucket,
@@ -311,18 +310,12 @@ def full_params(
         )
     layout = sharded.layout
     name = layout.axis_name if axis_name is None else axis_name
-    start = time.monotonic()
-    try:
-        with _own_group(layout, name, group):
-            _check_replicas(sharded, name, "fddp.full_params")
-            _check_group(layout, name, "fddp.full_params")
-            if rank0_only:
-                return _on_rank0(sharded, name)
-            return _unpacked(sharded, name, annotate=None)
-    except RuntimeError as e:
-        if isinstance(e, RankFailureError) or not _runtime.is_peer_failure(e):
-            raise
-        raise _runtime.peer_failure(e, _FULL_PARAMS, time.monotonic() - start) from e
+    with _runtime.peer_failures(_FULL_PARAMS), _own_group(layout, name, group):
+        _check_replicas(sharded, name, "fddp.full_params")
+        _check_group(layout, name, "fddp.full_params")
+        if rank0_only:
+            return _on_rank0(sharded, name)
+        return _unpacked(sharded, name, annotate=None)
 
 
 def _own_group(
