@@ -1,0 +1,188 @@
+"""Every fddp module imports only from the layers docs/architecture.md's table lets it."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "fddp"
+PAGE = ROOT / "docs" / "architecture.md"
+TABLE_HEADING = "## Layers"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    name: str
+    entries: tuple[str, ...]  # "_tree" is fddp/_tree.py, "_schedule/" every module under it
+    may_import: frozenset[str]  # besides its own layer
+
+
+@dataclasses.dataclass(frozen=True)
+class Import:
+    target: str  # a module of fddp, dotted: "fddp._tree"
+    line: int
+
+
+def _cells(row: str) -> list[str]:
+    return [cell.strip() for cell in row.strip().strip("|").split("|")]
+
+
+@functools.cache
+def layers() -> tuple[Layer, ...]:
+    """The rows of the table under ``## Layers`` in docs/architecture.md, bottom layer first."""
+    lines = PAGE.read_text().splitlines()
+    start = lines.index(TABLE_HEADING)
+    rows = []
+    for line in lines[start + 1 :]:
+        if line.startswith("|"):
+            rows.append(_cells(line))
+        elif rows:
+            break
+    header, _, *body = rows
+    assert header[:3] == ["Layer", "Modules", "May import"], header
+    table = []
+    for name, modules, may, *_ in body:
+        below = set() if may == "nothing" else {m.strip() for m in may.split(",")}
+        table.append(Layer(name, tuple(re.findall(r"`([^`]+)`", modules)), frozenset(below)))
+    return tuple(table)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@functools.cache
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def entry_of(module: str) -> str:
+    """How the table writes ``module``: "_tree", "__init__", "_schedule/_bucket"."""
+    rest = module.removeprefix("fddp").removeprefix(".")
+    return rest.replace(".", "/") or "__init__"
+
+
+def matches(entry: str, module: str) -> bool:
+    name = entry_of(module)
+    if entry.endswith("/"):
+        return name.startswith(entry) or name == entry.rstrip("/")
+    return name == entry
+
+
+def layer_of(module: str) -> list[Layer]:
+    return [layer for layer in layers() if any(matches(e, module) for e in layer.entries)]
+
+
+def fddp_imports(path: Path) -> list[Import]:
+    """The fddp modules ``path`` imports, at module level and inside functions alike."""
+    module = module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [Import(a.name, node.lineno) for a in node.names if _ours(a.name)]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if not _ours(source):
+                continue
+            for alias in node.names:  # ``from fddp import _tree`` imports the module
+                submodule = f"{source}.{alias.name}"
+                target = submodule if submodule in modules() else source
+                found.append(Import(target, node.lineno))
+    return [i for i in found if i.target != module]
+
+
+def _ours(name: str) -> bool:
+    return name == "fddp" or name.startswith("fddp.")
+
+
+def _target_module(name: str) -> str:
+    """The module an import resolves to: ``import fddp._schedule._plan`` is that module."""
+    while name not in modules() and "." in name:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def test_the_table_is_ordered_bottom_up():
+    seen: set[str] = set()
+    for layer in layers():
+        assert layer.may_import <= seen, (
+            f"docs/architecture.md: layer {layer.name!r} may import "
+            f"{sorted(layer.may_import - seen)}, which are not rows above it: a layer imports "
+            "only from layers listed before it"
+        )
+        seen.add(layer.name)
+
+
+def test_every_module_is_in_exactly_one_layer():
+    problems = []
+    for module, path in modules().items():
+        found = layer_of(module)
+        where = path.relative_to(ROOT)
+        if not found:
+            problems.append(
+                f"{where} is in no layer: add `{entry_of(module)}` to the row of its layer in "
+                "docs/architecture.md's table (the layers its imports come from decide the "
+                "lowest it can sit in)"
+            )
+        elif len(found) > 1:
+            problems.append(f"{where} is in layers {[layer.name for layer in found]}: keep one")
+    for layer in layers():
+        for entry in layer.entries:
+            if not any(matches(entry, m) for m in modules()):
+                problems.append(
+                    f"docs/architecture.md: `{entry}` in layer {layer.name!r} names no module "
+                    "of fddp: remove it or fix its name"
+                )
+    assert not problems, "\n".join(problems)
+
+
+def test_each_module_imports_only_from_the_layers_it_may():
+    problems = []
+    for module, path in modules().items():
+        (layer,) = layer_of(module) or [None]
+        if layer is None:
+            continue  # reported by test_every_module_is_in_exactly_one_layer
+        allowed = layer.may_import | {layer.name}
+        for imp in fddp_imports(path):
+            target = _target_module(imp.target)
+            (other,) = layer_of(target) or [None]
+            if other is not None and other.name not in allowed:
+                problems.append(
+                    f"{path.relative_to(ROOT)}:{imp.line} ({layer.name}) imports {target} "
+                    f"({other.name}): {layer.name} may import only "
+                    f"{', '.join(sorted(allowed))} (docs/architecture.md)"
+                )
+    assert not problems, "\n".join(problems)
+
+
+def test_no_import_circles():
+    graph = {
+        module: {_target_module(i.target) for i in fddp_imports(path)}
+        for module, path in modules().items()
+    }
+    done: set[str] = set()
+    circles = []
+
+    def visit(module: str, trail: list[str]) -> None:
+        if module in trail:
+            circles.append(" -> ".join([*trail[trail.index(module) :], module]))
+            return
+        if module in done:
+            return
+        for target in sorted(graph.get(module, ())):
+            visit(target, [*trail, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    assert not circles, "import circles:\n" + "\n".join(circles)
