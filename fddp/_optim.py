@@ -25,17 +25,10 @@ from fddp._types import (
     ParamsT,
     ScalarOrSchedule,
     TensorTree,
-    TransformInitFn,
-    TransformUpdateFn,
     Updates,
 )
 
 Schedule = Callable[[Any], Any]  # of the step count: an int64 0-d tensor or a Python int
-
-# The optimizer protocol lives in fddp._types (public as fddp.typing); fddp.optim keeps its
-# short names.
-InitFn = TransformInitFn
-UpdateFn = TransformUpdateFn
 
 
 class EmptyState(NamedTuple):

@@ -20,16 +20,18 @@ Example:
             [2.5000, 3.5000]])
 """
 
+import warnings
+from typing import Any
+
+from fddp import _types
 from fddp._finite import ApplyIfFiniteState, all_finite, apply_if_finite
 from fddp._optim import (
     EmptyState,
-    InitFn,
     InjectHyperparamsState,
     MaskedState,
     ScaleByAdamState,
     ScaleByScheduleState,
     TraceState,
-    UpdateFn,
     adam,
     adamw,
     add_decayed_weights,
@@ -58,14 +60,12 @@ __all__ = [
     "ApplyIfFiniteState",
     "EmptyState",
     "GradientTransformation",
-    "InitFn",
     "InjectHyperparamsState",
     "MaskedState",
     "ScaleByAdamState",
     "ScaleByScheduleState",
     "ShardedState",
     "TraceState",
-    "UpdateFn",
     "adam",
     "adamw",
     "add_decayed_weights",
@@ -91,3 +91,19 @@ __all__ = [
     "trace",
     "warmup_cosine_decay_schedule",
 ]
+
+_RENAMED = {"InitFn": "TransformInitFn", "UpdateFn": "TransformUpdateFn"}
+
+
+def __getattr__(name: str) -> Any:
+    """The optimizer protocol's old short names, kept for a release: they warn."""
+    if name in _RENAMED:
+        new = _RENAMED[name]
+        warnings.warn(
+            f"fddp.optim.{name} is deprecated: use fddp.typing.{new}, the same protocol "
+            "(fddp.typing holds the types to annotate with)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return getattr(_types, new)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -59,14 +59,12 @@ OPTIM = {
     "ApplyIfFiniteState",
     "EmptyState",
     "GradientTransformation",
-    "InitFn",
     "InjectHyperparamsState",
     "MaskedState",
     "ScaleByAdamState",
     "ScaleByScheduleState",
     "ShardedState",
     "TraceState",
-    "UpdateFn",
     "adam",
     "adamw",
     "add_decayed_weights",
@@ -157,8 +155,16 @@ def test_typing_surface_and_the_optimizer_protocol_is_one_class():
     assert set(fddp.typing.__all__) == TYPING
     assert all(hasattr(fddp.typing, name) for name in TYPING)
     assert fddp.optim.GradientTransformation is fddp.typing.GradientTransformation
-    assert fddp.optim.InitFn is fddp.typing.TransformInitFn
-    assert fddp.optim.UpdateFn is fddp.typing.TransformUpdateFn
+    assert not {"InitFn", "UpdateFn"} & set(vars(fddp.optim))  # one copy: fddp.typing's
+
+
+def test_optim_init_and_update_fn_are_deprecated_names_of_the_typing_protocol():
+    with pytest.warns(FutureWarning, match=r"fddp\.typing\.TransformInitFn"):
+        assert fddp.optim.InitFn is fddp.typing.TransformInitFn
+    with pytest.warns(FutureWarning, match=r"fddp\.typing\.TransformUpdateFn"):
+        assert fddp.optim.UpdateFn is fddp.typing.TransformUpdateFn
+    with pytest.raises(AttributeError, match="Misspelt"):
+        fddp.optim.Misspelt  # noqa: B018
 
 
 def test_renamed_arguments_keep_working_for_a_release_and_name_the_new_one():
