@@ -43,6 +43,11 @@ def parse_args() -> argparse.Namespace:
         "--bucket-mb", type=float, help="all-reduce bucket cap, MiB (default: fddp's own)"
     )
     p.add_argument("--compile", action="store_true", help="compile the step with Inductor")
+    p.add_argument(
+        "--show-outputs",
+        action="store_true",
+        help="list each output of the step as replicated or per-rank, under the schedule",
+    )
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--sample-chars", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
@@ -205,7 +210,10 @@ def main() -> None:
         params, opt_state, loss = step(params, opt_state, buffers, x, y)
         loss = loss.item()
         if i == 1:
-            log(f"compiled schedule (rank 0):\n{step.schedule(params, opt_state, buffers, x, y)}")
+            plan = step.schedule(params, opt_state, buffers, x, y)
+            log(f"compiled schedule (rank 0):\n{plan}")
+            if args.show_outputs:
+                log(f"outputs of the step:\n{plan.outputs_table()}")
         else:
             seconds += time.perf_counter() - t
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens * (i - 1) / seconds:,.0f}")

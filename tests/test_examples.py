@@ -99,6 +99,9 @@ def test_train_gpt_two_ranks(examples) -> None:
     output = run_example(examples, "train_gpt")
     assert "2 rank(s) x batch 4 x 32" in output
     assert "compiled schedule (rank 0):" in output
+    # every output (params, AdamW state, the pmean'd loss) replicated, summed up in one line
+    summary = [line for line in output.splitlines() if "replicated" in line]
+    assert len(summary) == 1 and re.fullmatch(r"outputs: \d+ replicated; .*", summary[0]), summary
     before = number(r"step 0: train loss ([\d.]+)", output)
     after = number(r"step 3: train loss ([\d.]+)", output)
     assert after < before

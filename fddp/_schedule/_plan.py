@@ -98,9 +98,33 @@ class Plan:
         if self.across_steps:
             rows.append(self.across_steps)
         if self.replication:
-            rows.append("outputs:")
-            rows.extend(f"  {path:<30} {how}" for path, how in self.replication)
+            rows.append(self._outputs_summary())
         return "\n".join(rows)
+
+    def outputs_table(self) -> str:
+        """Each output leaf, one a line: replicated, or per-rank and from what.
+
+        ``str(plan)`` sums this up in one line; empty before the first call with these arguments.
+
+        >>> from fddp.typing import Plan
+        >>> how = (("[0]", "replicated"), ("[1]", "per-rank (from argument leaf [1])"))
+        >>> plan = Plan((), 0, 0.0, replication=how)
+        >>> print(str(plan).splitlines()[-1])
+        outputs: 1 replicated, 1 per-rank: [1] (from argument leaf [1]); outputs_table() lists each
+        >>> print(plan.outputs_table())
+        [0]                            replicated
+        [1]                            per-rank (from argument leaf [1])
+        """
+        return "\n".join(f"{path:<30} {how}" for path, how in self.replication)
+
+    def _outputs_summary(self) -> str:
+        per_rank = [(path, how) for path, how in self.replication if how != "replicated"]
+        line = f"outputs: {len(self.replication) - len(per_rank)} replicated"
+        if per_rank:
+            named = [f"{path} {how.removeprefix('per-rank ')}" for path, how in per_rank[:4]]
+            more = f" (+{len(per_rank) - 4})" if len(per_rank) > 4 else ""
+            line += f", {len(per_rank)} per-rank: {', '.join(named)}{more}"
+        return line + "; outputs_table() lists each"
 
 
 def describe(
