@@ -1,9 +1,4 @@
-"""Keys of the annotations that collectives leave on graph nodes for the compiler to read.
-
-Collectives run inside ``fx.traceback.annotate({KEY: value})`` while a step is traced, so the
-value lands in ``node.meta["custom"]`` of the nodes they emit; the compiler's passes add the
-bucket keys to ``node.meta`` themselves.
-"""
+"""Keys of the annotations that collectives leave on graph nodes for the compiler to read."""
 
 LEAF_PATH = "fddp_leaf"  # the tree path of the leaf a per-leaf collective reduces
 AXIS_INDEX = "fddp_axis_index"  # a value that differs per rank by construction (the rank)

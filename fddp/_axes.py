@@ -1,9 +1,4 @@
-"""Named axes: which replica dimension a collective's ``axis_name`` refers to.
-
-A transform binds a name while it runs the user's function (``data_parallel`` binds it to a
-process group, ``vmap`` to a mapped tensor dimension); collectives look the name up, and outside
-every transform take ``"data"`` to mean the default process group (``_collectives.axis``).
-"""
+"""Named axes: which replica dimension a collective's ``axis_name`` refers to."""
 
 from __future__ import annotations
 

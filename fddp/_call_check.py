@@ -1,21 +1,4 @@
-"""The per-call agreement: on every call, all ranks run the same step, built with the same
-options, on arguments of the same signature.
-
-Without it a rank whose batch alone changed shape would trace the step again while the others
-run the cached program, and all would wait for the timeout; on the eager path its collectives
-would mix unrelated leaves; a rank built with other options (another bucket cap, another wire
-dtype) would issue collectives of other sizes. One all-reduce of a digest of all that is
-launched as the call starts and settled (waited for, an error on every rank if the ranks
-differ) once, before anything else crosses ranks or is written into a donated argument: at the
-scheduled graph's gate on a cached call, at once before a compile or a first call.
-
-Calls pair off in order, so a rank that skipped or repeated a call would pair its call k with
-another rank's call k+1 and average gradients of other batches. The state a training loop passes
-back advances with every call (an optimizer's step count), so the values of the small tensors
-of the replicated arguments (``check_replicas``) enter the digest as well: such a rank differs in
-them and is named with them. Those are read on the CPU only, where reading costs no device sync,
-and not for a step that overlaps steps (its outputs come back pending).
-"""
+"""The per-call agreement: all ranks run the same step, with the same options and signature."""
 
 from __future__ import annotations
 

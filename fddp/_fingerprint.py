@@ -1,24 +1,4 @@
-"""What a step's trace can depend on, as a digest that is the same in a restarted process.
-
-A trace runs the step's Python once, so its graph is fixed by the code that runs and every value
-that code reads. :func:`fingerprint` walks out from the step: a function's bytecode, constants,
-defaults, closure cells, the globals its code names and the modules its body imports; a user's
-module by a digest of its source and the attributes the code names (a submodule's too, for
-``pkg.sub.f``); an object's class and attributes; the items of containers; values by content
-(an Enum member by its class and value, a numpy array by dtype, shape and bytes). Code of
-installed libraries (the standard library, anything under site-packages, torch, optree, numpy)
-enters by name, and each distribution it comes from by its version (``importlib.metadata``); one
-found without a distribution enters by a digest of its source file, fddp by a digest of its own
-source. The values such code closes over (an optimizer's learning rate) are walked like any
-other. A tensor enters by its shape, dtype, device and layout only, and its place on the walk is
-remembered: a graph that holds a tensor as a constant records that place and a digest of the
-values, and a restarted process finds it there again (:func:`locate`) and checks the values.
-
-An object whose state the walk cannot read (a C object of the user's, or one whose ``repr``
-names only its address) makes the step :class:`Unfingerprintable`: it is not cached. What the
-walk cannot see is state outside what the step reaches (a global flag set in another module, an
-environment variable the model reads): the persistent cache's documentation says so.
-"""
+"""What a step's trace can depend on, as a digest that is the same in a restarted process."""
 
 from __future__ import annotations
 

@@ -1,26 +1,4 @@
-"""Low-communication data parallelism: LocalSGD, DiLoCo and streaming DiLoCo as step transforms.
-
-The user's step runs locally on every rank (no ``pmean`` of the gradients: between
-synchronizations the parameters are per-rank by design). Every ``every`` calls the ranks
-synchronize: LocalSGD averages the parameters; DiLoCo (Douillard et al., arXiv 2311.08105)
-averages the parameter change since the last synchronization, ``outer - inner``, and feeds it
-as a gradient to an outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9). Streaming DiLoCo
-(arXiv 2501.18512) synchronizes contiguous fragments of the parameters on staggered
-schedules, takes each fragment's outer gradient ``delay`` inner steps before it is applied (so
-its all-reduce overlaps the inner steps in between) and may send it in a low precision.
-
-Everything that must survive a call is in :class:`LowCommState`, a pytree: the call counter,
-the last synchronized parameters, the outer optimizer's state and the averaged outer gradients
-still waiting to be applied. It is replicated; the inner parameters are not. The work of one
-call is :func:`_local_step`, a pure function of a :class:`Phase` (which fragments launch and
-which apply on this call, a function of the counter alone) and the tensors: on ranks it runs
-through ``fddp.data_parallel`` (one compiled program per distinct phase, its all-reduces
-bucketed and overlapped with the inner step), under ``fddp.vmap`` it runs as it is.
-
-On ranks, what the step was built with (:func:`rule_lines`) joins data_parallel's per-call
-check; each synchronization compares the replicated state it touches by digest and refuses a
-NaN or Inf that a rank sent (flagged in the same all-reduce) before any state is returned.
-"""
+"""Low-communication data parallelism: LocalSGD, DiLoCo and streaming DiLoCo as step transforms."""
 
 from __future__ import annotations
 

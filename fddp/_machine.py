@@ -1,11 +1,4 @@
-"""What this machine's link and compute cost: measured once per process group, the same on every
-rank (rank 0's figures, broadcast), for the cost model that chooses bucket sizes.
-
-The link is timed with the best of a few all-reduces of a small and of a larger buffer (a latency
-and a time per byte), about 420 kB a rank in all, so that a slow link pays little for it; the
-compute with a matmul, a large elementwise op and many tiny ops. The
-probe fills its tensors with constants, so measuring draws nothing from the user's RNG.
-"""
+"""What this machine's link and compute cost, measured once per process group for every rank."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""A mesh of named subgroups (``data_parallel(..., axes=...)``): its groups' member ranks, agreed.
-
-Each axis of a mesh cuts the step's group into disjoint groups of one size; every rank passes
-its own group of each axis. Whether the groups the ranks pass are such a partition, the same on
-every rank, is known only from all of them: :func:`check_axes` gathers each rank's member tuples
-once (one all-gather) and every rank reaches the same verdict, instead of running collectives
-that would wait on ranks that are not in them.
-"""
+"""A mesh of named subgroups (``data_parallel(axes=...)``): its groups' member ranks, agreed."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""How ``fddp.functional``'s ``apply`` runs a model while a capture watches: the compiler
-installs a hook for the capture (``_schedule._repeated`` traces repeated blocks once) and
-notes which models the step runs (their train/eval modes key the program), the blocks layer's
-``apply`` enters the hook and notes its model, and neither imports the other."""
+"""The hook through which a capture watches the models ``fddp.functional``'s ``apply`` runs."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Optax-style pure gradient transformations on torch's foreach kernels.
-
-Under a ``torch.func`` transform (vmap, grad, jvp) leaves are wrapped tensors, for which the
-foreach kernels have no batching rules: there each transformation takes ordinary per-leaf ops.
-"""
+"""Optax-style pure gradient transformations on torch's foreach kernels."""
 
 from __future__ import annotations
 

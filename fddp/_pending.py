@@ -1,14 +1,4 @@
-"""Outputs of a step whose last all-reduces are still in flight (``overlap_steps=True``).
-
-A step that overlaps across calls returns before the waits and updates of its deferred buckets
-have run. The outputs those produce are :class:`PendingTensor` objects: tensors with the right
-shape, dtype and device and no data yet. Passed back into the same step, they are completed
-inside the next call, each just before its first use; touched in any other way (an operator,
-``print``, ``.item()``, ``torch.save``, ``fddp.save``, ``copy.deepcopy``, DLPack, shared memory)
-they complete the whole deferred tail first and then behave as the finished tensor, as
-funcol's ``AsyncCollectiveTensor`` does for one collective; ``torch.nn.Parameter`` of one is
-an error that names ``fddp.block_until_ready``.
-"""
+"""Outputs of a step whose last all-reduces are still in flight (``overlap_steps=True``)."""
 
 from __future__ import annotations
 

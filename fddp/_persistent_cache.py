@@ -1,25 +1,4 @@
-"""Compiled programs on disk, for a restarted process to run without capturing again.
-
-Off unless a directory is given (``fddp.set_cache_dir`` or ``FDDP_CACHE_DIR``). A program is
-keyed by everything its trace could depend on: the step's fingerprint (its code and what that
-code reaches, see ``_fingerprint``), the arguments' signature, the options, the donated
-arguments, the rank, world size and process group, and the versions of Python, torch, optree and
-fddp's own source. Tensors the graph holds as constants are found again where the step reaches
-them and their values checked, so an edited constant compiles afresh.
-
-Beside each program lies its cost profile, so a loaded program's bucket cap is chosen from
-this run's measured link exactly as a fresh compile would choose it; a program is kept per cap.
-
-Writes are atomic (a temporary file renamed into place), so concurrent ranks and jobs share a
-directory; a write that fails (a read-only directory, a full disk) leaves nothing behind and the
-program is kept in memory only, with one warning. A program is run as it is read, so the
-directory and every directory above it must be safe from other users (owned by the user or
-root, writable by nobody else unless sticky, like /tmp), and each file carries an authentication
-code under a key kept in the directory, a file of 32 bytes that only the user may read: a file
-this cache did not write (copied from elsewhere, or crafted) is ignored, never unpickled. Where
-any of this does not hold, the cache is not used and a warning says why. The directory is kept
-under a size (``max_bytes``) by removing the programs least recently written or loaded.
-"""
+"""Compiled programs on disk, for a restarted process to run without capturing again."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The compiled programs of one step, one per input signature, least recently used dropped
-first; a leaf whose changes keep causing new compiles is named in a warning."""
+"""The compiled programs of one step, one per input signature, least recently used dropped first."""
 
 from __future__ import annotations
 

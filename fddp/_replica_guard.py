@@ -1,12 +1,4 @@
-"""Replicated arguments stay replicated: bitwise digests on a step's first calls, and later a
-per-rank output of the last call fed back where a replicated argument goes (a forgotten pmean).
-
-Which arguments must be replicated is the step's ``check_replicas``. On the first call with
-each signature one all-gather of digests finds which tensor arguments differ between ranks
-(the batch, per-rank state); the scheduled program then says which outputs depend on those
-without a collective in between, and such an output passed back as a replicated argument is
-refused before the replicas drift apart.
-"""
+"""Replicated arguments stay replicated: compared on first calls, per-rank outputs refused."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""One data_parallel step at a time per process: collectives must run in the same order on every
-rank, which two threads (or a step inside a step) cannot promise."""
+"""One data_parallel step at a time per process, so collectives run in one order on every rank."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""Timelines: measured compute and communication of every rank as one Chrome trace, and a PNG.
-
-The trace comes from ``torch.profiler`` on each rank: the main thread's operators are the
-compute lane, the process group's worker threads (``gloo:all_reduce``, ``nccl:all_reduce``) the
-communication lane. Rank 0 writes one file with a process per rank, which opens in
-``chrome://tracing`` or https://ui.perfetto.dev.
-"""
+"""Timelines: measured compute and communication of every rank as one Chrome trace, and a PNG."""
 
 from __future__ import annotations
 

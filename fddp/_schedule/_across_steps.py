@@ -1,27 +1,4 @@
-"""Overlap across steps: the last buckets' waits and updates run in the next call.
-
-A scheduled step (before reinplacing) is cut in two. The *tail* is every node that needs the
-result of the waits of the collectives launched last (up to half the bytes, each deferrable:
-its dependents, through data and in-place writes, launch no collective and write no input);
-the *head* is the rest. The head runs in this call and returns
-the ready outputs and the values the tail needs (carried); the deferred outputs are returned as
-:class:`~fddp._pending.PendingTensor`. When they come back as arguments of the next call, that
-call runs a *merged* program: the tail prepended to the step, each tail node sunk to just before
-its first use, so a layer's update runs right before its forward needs it and the last
-all-reduces of the previous call overlap with the forward up to there. The tail runs the same
-operators on the same values either way, so the results are bitwise those of the plain step.
-
-Within a head, the deferred collectives are launched after all the others and in reverse
-order: they carry the first layers' gradients, which the backward pass produces last and the
-next forward needs first, each layer before the next. Launched last-first they arrive in that
-order, and the forward runs layer by layer while the rest is still on the wire (P3's priority,
-as a static order: every rank must launch the same collectives in the same order).
-
-What it buys is bounded by the data dependencies: the next forward cannot finish before every
-bucket of this step has arrived, and the next backward produces nothing to send before it has
-run one layer, so the wire idles at least for the forward's last layers and one layer of
-backward per step.
-"""
+"""Overlap across steps: the last buckets' waits and updates run in the next call."""
 
 from __future__ import annotations
 

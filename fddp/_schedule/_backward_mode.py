@@ -1,15 +1,4 @@
-"""Capture the outermost gradient's backward the way ``loss.backward()`` runs it: untracked.
-
-``torch.func.grad`` always differentiates with ``create_graph=True`` so that an enclosing
-transform can differentiate the backward again. Autograd then picks, wherever a backward
-formula has two versions, the differentiable one: ``aten::lstm``'s backward (one
-``mkldnn_rnn_layer_backward`` per layer in eager) becomes a loop of cell ops, 2,500 aten nodes
-for a two-layer LSTM over 35 steps, that the FX runner calls one by one. When the gradient is
-the only transform on the functorch stack and nothing below it tracks gradients, nobody can
-differentiate that backward, so during capture it runs with ``create_graph=False``: the graph
-gets the single backward kernels eager training uses, with the same values. make_fx calls the
-module's ``_autograd_grad``; a Dynamo graph holds the function itself, hence :class:`Interpreter`.
-"""
+"""Capture the outermost gradient's backward the way ``loss.backward()`` runs it: untracked."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""Predicted step time from the captured graph, for the bucket policy's cost model.
-
-The prediction replays the graph in order: each node costs its dispatch plus its FLOPs (torch's
-flop counter, on the recorded fake values) or its memory traffic, a bucket's all-reduce starts
-when its last gradient is ready and the wire is free, and a node that needs a reduced gradient
-waits for it. The machine's figures come measured from the runtime (``fddp._machine``).
-"""
+"""Predicted step time from the captured graph, for the bucket policy's cost model."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""The gate before a step's first collective: the call's signature check must have passed.
-
-Every call checks, with one all-reduce of a digest, that all ranks pass arguments of the same
-signature, so that all run the same program. Waiting for that check before the step starts
-would put a round trip between ranks on every call; the check only has to be settled before
-the step's first collective, since a rank running another program could otherwise issue
-mismatched collectives. So the check is launched as the call starts, the forward runs while it
-travels, and a gate node placed just before the first collective settles it.
-"""
+"""The gate before a step's first collective: the call's signature check must have passed."""
 
 from __future__ import annotations
 

@@ -1,18 +1,4 @@
-"""Overlap pass: where work runs relative to the collectives.
-
-Functional collectives return at once and block only in ``wait_tensor``, so every compute node
-placed between a launch and its wait runs while the collective is in flight. The pass launches
-each collective as early as its input allows and waits as late as possible; before bucketing,
-it hoists the sums that finish accumulated gradients, and after it, it splits the optimizer's
-per-leaf work by bucket (the bucket-ordered tail).
-
-After the backward pass, a functional optimizer runs ``_foreach_*`` ops over every leaf at
-once, so its first op needs every bucket's result and nothing it does can hide the all-reduces
-still in flight. Splitting each foreach op by the bucket its leaves' gradients come from, then
-ordering the graph by the last bucket each node needs, lets the update of bucket ``k`` run
-while buckets ``k+1...`` are still on the wire: the step waits only for the last bucket and
-its share of the update. DDP cannot do this: its optimizer starts after ``backward()`` returns.
-"""
+"""Overlap pass: where work runs relative to the collectives."""
 
 from __future__ import annotations
 

@@ -1,21 +1,4 @@
-"""Where fully sharded parameters are gathered, and for how long a gathered bucket lives.
-
-The trace gathers every bucket of sharded parameters once, at the start of the step (the
-nodes ``fddp.shard_params``' gather leaves annotated). This pass gives each bucket one gather
-per *span* of its uses: a span ends where the step turns from a forward pass to its backward
-pass (or from a microbatch's backward pass to the next forward pass) and other buckets are used
-before this one is used again, unless the bucket is kept for the whole step
-(``reshard_after_forward=False``). Each span's gather is
-waited for just before the span's first use; its launch runs ``PREFETCH`` gathers earlier, just
-after the wait of the gather that many places before it (FSDP2's forward and backward
-prefetch, from the graph instead of module hooks), but not before the backward pass it is
-for begins. A gathered bucket then dies after the last use of its span: the FX code frees
-every value after its last use.
-
-What else bounds the step's memory: gradient buckets are allocated where they are first
-written, one reduce-scatter is in flight, and one gather (on gloo, two gloo all-gathers at
-once corrupt the heap).
-"""
+"""Where fully sharded parameters are gathered, and for how long a gathered bucket lives."""
 
 from __future__ import annotations
 

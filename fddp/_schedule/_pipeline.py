@@ -1,8 +1,4 @@
-"""The pipeline from a step to a runnable program, in DESIGN.md's order: capture (make_fx, else
-Dynamo), replication analysis, bucket, overlap, reinplace, describe, build; then the ranks
-compare what they compiled: the capture's outcome, the collective sequence and every node of the
-scheduled graph with its constants (a rank whose step closes over another learning rate would
-otherwise drift apart silently)."""
+"""From a step to a runnable program: capture, the passes, then the ranks compare the result."""
 
 from __future__ import annotations
 

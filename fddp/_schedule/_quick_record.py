@@ -1,19 +1,4 @@
-"""Record ops whose results' layout is known without running them straight into make_fx's
-graph, without make_fx's bookkeeping per output.
-
-make_fx pays about 0.6-0.8 ms for every tensor an op returns (a fake-tensor dispatch, a proxy
-and a metadata snapshot for each), whatever the op. An optimizer's ``_foreach_*`` ops return
-one tensor per parameter leaf: AdamW over 388 leaves traced 4,268 outputs, 40 % of a 32-layer
-model's capture; the per-leaf all-reduces of ``pmean`` another 1,164, and the model's views
-(``t``, ``view``, ``transpose``) 1,676 more. For these the result is known cheaply: a fresh
-tensor shaped, strided and typed as the inputs (contiguous, floating, identical in every tensor
-argument, Python real scalars), contiguous for an all-reduce, 0-d for a norm; a view is what
-the op's meta kernel makes of the input's own storage, as FakeTensorMode computes it.
-:class:`QuickRecord` writes the node and its outputs' fake values directly, the node make_fx
-writes (``tests/test_quick_record.py`` compares the two graphs); any call outside those
-conditions (integers, broadcasting, other layouts, constants, symbolic sizes) goes to make_fx
-unchanged. The scheduler's own new views take their values from :func:`view_value`.
-"""
+"""Record ops whose output layout is known without running them straight into make_fx's graph."""
 
 from __future__ import annotations
 

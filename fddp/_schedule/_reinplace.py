@@ -1,11 +1,4 @@
-"""Reinplace pass: run pointwise ops in place when the buffer they read is dead afterwards.
-
-A step written functionally allocates a new tensor for every intermediate and every updated
-parameter and optimizer moment. When an op's first input (``self``) is never read again — an
-intermediate, or a donated argument — the op can write its result into that input instead, as
-JAX does with donated buffers. Storage aliasing comes from the fake tensors recorded at capture:
-views share their base's storage, so a write is allowed only when no alias is read later.
-"""
+"""Reinplace pass: run pointwise ops in place when the buffer they read is dead afterwards."""
 
 from __future__ import annotations
 

@@ -1,29 +1,4 @@
-"""Trace a model's repeated blocks once: the other calls of an identical block write the first
-one's graph again instead of running it.
-
-A 32-layer model runs the same block code 32 times under make_fx, which pays about 0.3 ms in
-fake-tensor dispatch and as much again in make_fx's bookkeeping for each of a block's ~120
-forward and backward ops, every time. A block whose module tree, hyperparameters, arguments and
-parameter shapes match one traced before computes the same ops on other tensors: the first is
-traced alone, on fresh fake tensors, as ``torch.func.vjp`` of the block (its forward, then its
-backward); each call of that kind becomes an ``autograd.Function`` whose forward writes the
-template's forward nodes with the call's own tensors, and whose backward writes the template's
-backward nodes, reading the forward's values. Each written node's fake value follows from the
-op's schema: a fresh tensor laid out as in the template, a view computed by the op's meta kernel
-on the call's own input, or the written argument itself for an in-place op.
-
-It applies only where the result is the graph make_fx would write, up to the order of nodes
-within a block's backward: inside fddp's make_fx capture with the fused backward, under exactly
-one ``torch.func.grad`` that nothing differentiates again, for blocks whose every attribute is a
-plain value (no tensors, hooks or containers), whose template holds only aten ops with tensor
-results, that write none of their inputs and return no outputs sharing storage. A call's key
-holds all the template's trace reads: its tensors' layouts, functorch levels and
-``requires_grad``, its plain values (floats by their bits), and what the block's code reads
-outside its attributes, found once per kind of block by reading the code it may run
-(:class:`_Walk`): immutable globals, closure cells and class attributes are read again at each
-call; code that writes state or reads mutable state is not replayed. Anything else is traced
-as before.
-"""
+"""Trace a model's repeated blocks once; other calls of an identical block replay its graph."""
 
 from __future__ import annotations
 

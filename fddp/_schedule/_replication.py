@@ -1,11 +1,4 @@
-"""Replication analysis: which outputs of a captured step can differ between ranks.
-
-A value varies across ranks when it is computed from an input that does (the batch) or from the
-rank itself (``axis_index``) without a collective in between; a collective's result is the same
-everywhere, except a reduce-scatter's (``psum_scatter``: each rank gets its own block). As in JAX
-``shard_map``'s replication check, a varying value that comes back where a replicated one is
-required (the parameters of the next step) is the bug of a forgotten ``pmean``.
-"""
+"""Replication analysis: which outputs of a captured step can differ between ranks."""
 
 from __future__ import annotations
 

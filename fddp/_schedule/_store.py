@@ -1,11 +1,4 @@
-"""A compiled program as plain data, and back: what the persistent program cache writes.
-
-The scheduled graph is written node by node (operators by their registered names, the few
-Python callables fddp places in graphs from an allowlist, arguments as tagged tuples) and built
-again with FX only when someone asks for it; the fx backend's generated code is kept as a code
-object, so a loaded program runs without code generation. The caller verifies that the data
-comes from this user's own cache before decoding it (``fddp._persistent_cache``).
-"""
+"""A compiled program as plain data, and back: what the persistent program cache writes."""
 
 from __future__ import annotations
 
