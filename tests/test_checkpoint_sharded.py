@@ -389,9 +389,28 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory, killed):
     return run_checks(checks, 2, timeout=240)
 
 
-@pytest.mark.parametrize("name", list(TWO_RANK_CHECKS))
-def test_on_two_gloo_ranks(two_ranks, name: str) -> None:
-    assert two_ranks[name] == [None, None]
+def test_a_full_disk_raises_enospc_naming_the_path_and_keeps_the_previous_checkpoint(two_ranks):
+    assert two_ranks["disk_full"] == [None, None]
+
+
+def test_a_flipped_bit_in_a_shard_file_is_a_checksum_error_naming_the_file(two_ranks):
+    assert two_ranks["bit_flip"] == [None, None]
+
+
+def test_crafted_pickles_are_refused_and_nothing_in_them_runs(two_ranks):
+    assert two_ranks["crafted_pickles"] == [None, None]
+
+
+def test_a_like_of_other_dtypes_is_refused_naming_each_leaf_and_both_dtypes(two_ranks):
+    assert two_ranks["dtype_mismatch"] == [None, None]
+
+
+def test_fddp_save_of_shard_state_state_is_refused_naming_save_sharded(two_ranks):
+    assert two_ranks["shard_state_with_fddp_save"] == [None, None]
+
+
+def test_each_broken_checkpoint_raises_one_error_naming_the_path_and_the_cause(two_ranks):
+    assert two_ranks["clear_errors"] == [None, None]
 
 
 # --- the kill jobs' results --------------------------------------------------------------
