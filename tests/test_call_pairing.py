@@ -27,7 +27,7 @@ def _batch() -> dict:
 
 
 def check_machine_figures_from_a_manifest() -> dict:
-    """Before: ZeroDivisionError at the next compile."""
+    """A manifest of impossible (zero) figures: ignored with a warning, measured afresh."""
     fields = len(_machine.Machine.__dataclass_fields__)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -45,7 +45,7 @@ def check_machine_figures_from_a_manifest() -> dict:
 
 
 def check_probe_bytes() -> int:
-    """Before: 42.6 MB a rank."""
+    """The bytes the link probe sends from this rank."""
     sent = [0]
     originals = {name: getattr(dist, name) for name in ("all_reduce", "broadcast")}
 
@@ -68,7 +68,7 @@ def check_probe_bytes() -> int:
 
 def check_a_skipped_call() -> dict:
     """Rank 1 passes the state of one call earlier (it skipped applying a call, or repeated
-    one). Before: the calls ran and the replicas drifted."""
+    one): the call is refused instead of averaging gradients of other batches."""
     opt = optim.adamw(1e-2)
     step, params = mlp_step(opt, SIZES)
     pstep = fddp.data_parallel(step, check_replicas=(0, 1))
@@ -93,7 +93,7 @@ def _rank_weighted(params, x):
 
 
 def check_a_per_rank_learning_rate() -> dict:
-    """Before: no error, the replicas drift. A step that reads the rank is not refused."""
+    """A learning rate that differs by rank is refused; a step that reads the rank is not."""
     opt = optim.sgd(0.1 if fddp.rank() == 0 else 0.2)
     step, params = mlp_step(opt, SIZES)
     pstep = fddp.data_parallel(step)
@@ -113,8 +113,7 @@ def _zero_size_step(params, x):
 
 
 def check_zero_size_leaves() -> dict:
-    """Before: ReplicaMismatchError on a replicated zero-element leaf (its digest read memory
-    out of bounds)."""
+    """Zero-element leaves, replicated or not, pass through as in eager."""
     params = {"w": torch.ones(3), "empty": torch.zeros(0)}
     x = torch.arange(6.0).reshape(2, 3)[fddp.rank()]
     out = {}
@@ -146,8 +145,8 @@ CHECKS = {
 
 
 def check_a_rank_exits_early() -> tuple[str, str] | None:
-    """Rank 1 stops after two calls and leaves the group; rank 0 calls a third time. Before:
-    a RankFailureError that named neither the call nor which one."""
+    """Rank 1 stops after two calls and leaves the group; rank 0 calls a third time: a
+    RankFailureError naming the step and the call."""
     opt = optim.sgd(0.1)
     step, params = mlp_step(opt, SIZES)
     pstep = fddp.data_parallel(step)

@@ -1,5 +1,5 @@
 """More ranks: data_parallel, uneven batches, sharded optimizer state and the agreement checks on
-4 and 8 gloo ranks (issue 26).
+4 and 8 gloo ranks.
 
 This machine has 2 cores, so 8 ranks are oversubscribed: these tests check answers, not speed.
 Each world size is one spawn running every check below in order (a tiny MLP, explicit bucket

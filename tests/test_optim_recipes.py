@@ -1,4 +1,4 @@
-"""AdamW recipes (issue 38): masked weight decay, schedules of Python ints, inject_hyperparams.
+"""AdamW recipes: masked weight decay, schedules of Python ints, inject_hyperparams.
 
 Each result is compared with a reference: torch.optim.AdamW with parameter groups, a
 hand-written loop, the same optimizer built fresh, or the eager step.

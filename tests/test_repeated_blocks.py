@@ -12,6 +12,7 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
+from _compare import assert_trees_equal
 from _models import Block, captured_counting_replays, next_token_loss, token_batch
 from torch import nn
 
@@ -271,6 +272,4 @@ def test_training_with_replayed_blocks_equals_training_without(monkeypatch):
                 params, state, loss = pstep(params, state, token_batch(i, 4))
             results.append((params, state, loss))
     (p1, s1, l1), (p2, s2, l2) = results
-    assert optree.tree_structure((p1, s1, l1)) == optree.tree_structure((p2, s2, l2))
-    for a, b in zip(optree.tree_leaves((p1, s1, l1)), optree.tree_leaves((p2, s2, l2))):
-        assert torch.equal(a, b)
+    assert_trees_equal((p1, s1, l1), (p2, s2, l2))

@@ -215,7 +215,7 @@ def _run(name: str) -> dict | None:
                 return out
 
             def loss_fn(params):
-                # the new buffers as aux: an empty dict for most models here (issue 13)
+                # the new buffers as aux: an empty dict for most models here
                 return loss_of(apply, params, buffers, batch), dict(new_buffers)
 
             (loss, _), grads = fddp.value_and_grad(loss_fn, has_aux=True)(params)
