@@ -80,7 +80,7 @@ class Phase:
 
 
 @dataclasses.dataclass(frozen=True)
-class Schedule:
+class Cadence:
     """When each fragment synchronizes: fragment ``k``'s outer step is applied after inner steps
     ``c`` with ``c % every == offsets[k]`` (and ``c >= delay``, so its outer gradient, taken at
     inner step ``c - delay``, exists)."""
@@ -111,7 +111,7 @@ class Schedule:
 
 def fragment_offsets(every: int, fragments: int) -> tuple[int, ...]:
     """Staggered sync points in ``[0, every)``: fragment ``k`` at ``(k + 1) * every // F``
-    modulo ``every``, so the last fragment syncs with non-streaming DiLoCo's schedule."""
+    modulo ``every``, so the last fragment syncs with non-streaming DiLoCo's cadence."""
     return tuple(((k + 1) * every // fragments) % every for k in range(fragments))
 
 
@@ -186,7 +186,7 @@ class _Rule:
 
     name: str
     outer: GradientTransformation | None  # None: LocalSGD (average the parameters)
-    schedule: Schedule
+    cadence: Cadence
     fragments: int
     mix: float
     comm_dtype: torch.dtype | None
@@ -203,9 +203,9 @@ def rule_lines(rule: _Rule, step_fn: Callable[..., Any]) -> list[Line]:
             "the inner step",
             f"{getattr(inner, '__module__', '')}.{getattr(inner, '__qualname__', '')}",
         ),
-        ("option every", repr(rule.schedule.every)),
+        ("option every", repr(rule.cadence.every)),
         ("option fragments", repr(rule.fragments)),
-        ("option delay", repr(rule.schedule.delay)),
+        ("option delay", repr(rule.cadence.delay)),
         ("option mix", _value(rule.mix)),
         ("option comm_dtype of the outer gradients", repr(rule.comm_dtype)),
     ]
@@ -449,7 +449,7 @@ class LowCommStep:
             axes=None,
             trace=True,
             check_replicas=(1,),  # the outer state; the inner parameters are per-rank
-            cache_size=len(rule.schedule.phases()) + 4,
+            cache_size=len(rule.cadence.phases()) + 4,
             overlap_steps=False,
             built_with=rule_lines(rule, step_fn),
             **data_parallel_options,
@@ -458,7 +458,7 @@ class LowCommStep:
 
     @property
     def every(self) -> int:
-        return self._rule.schedule.every
+        return self._rule.cadence.every
 
     def init(self, params: Any) -> LowCommState:
         """The state at the start of training from the replicated ``params``: the outer
@@ -477,13 +477,13 @@ class LowCommStep:
         outer = optree.tree_map(lambda x: x.detach().clone(), params)
         opt_state = tuple(self._rule.outer.init(leaves[a:b]) for a, b in bounds)
         pending: tuple = ()
-        if self._rule.schedule.delay >= 2:
+        if self._rule.cadence.delay >= 2:
             pending = tuple([torch.zeros_like(x) for x in leaves[a:b]] for a, b in bounds)
         return LowCommState(count, outer, opt_state, pending)
 
     def phase(self, state: LowCommState) -> Phase:
         """What the next call with ``state`` synchronizes."""
-        return self._rule.schedule.phase(int(state.step))
+        return self._rule.cadence.phase(int(state.step))
 
     def __call__(self, state: LowCommState, params: Any, *args: Any) -> tuple[Any, ...]:
         if not isinstance(state, LowCommState):
@@ -561,8 +561,8 @@ def _refuse_nonfinite(rule: _Rule, count: int, flags: tuple[torch.Tensor, ...]) 
     if not bool(bad.any()):
         return
     ranks = bad.nonzero().flatten().tolist()
-    applied = count + max(rule.schedule.delay, 1)  # inner steps done when it would be applied
-    outer_step = -(-applied // rule.schedule.every)
+    applied = count + max(rule.cadence.delay, 1)  # inner steps done when it would be applied
+    outer_step = -(-applied // rule.cadence.every)
     sent = "parameters" if rule.outer is None else "outer gradient (outer - inner parameters)"
     raise FloatingPointError(
         f"{rule.name}: the {sent} of rank{'s' if len(ranks) > 1 else ''} "
@@ -645,7 +645,7 @@ def local_sgd(
     tensor([0.6000, 0.6000])
     """
     _check_every("local_sgd", every)
-    rule = _Rule("local_sgd", None, Schedule(every, (0,), 0), 1, 0.0, None, axis_name)
+    rule = _Rule("local_sgd", None, Cadence(every, (0,), 0), 1, 0.0, None, axis_name)
     return LowCommStep(
         step_fn,
         rule,
@@ -678,7 +678,7 @@ def diloco(
     optimizer state stays per-rank, as in the paper).
 
     With ``fragments=F`` the parameter leaves are split into F contiguous groups of about
-    equal size, each synchronized every ``every`` calls on its own staggered schedule
+    equal size, each synchronized every ``every`` calls on its own staggered cadence
     (fragment ``k`` after inner steps ``(k + 1) * every // F`` modulo ``every``), so each sync
     sends 1/F of the model. With ``delay=tau >= 1`` a fragment's outer gradient is taken
     ``tau`` inner steps before it is applied: its all-reduce is launched at the start of a call
@@ -691,7 +691,7 @@ def diloco(
         every: inner steps between a fragment's synchronizations (H), >= 1.
         outer: the outer optimizer (``fddp.optim``); default
             ``fddp.optim.sgd(0.7, momentum=0.9, nesterov=True)``, the paper's.
-        fragments: contiguous groups of leaves synchronized on staggered schedules, 1 to
+        fragments: contiguous groups of leaves synchronized on staggered cadences, 1 to
             ``min(every, number of leaves)``.
         delay: inner steps between taking a fragment's outer gradient and applying it,
             ``0 <= delay < every``.
@@ -740,8 +740,8 @@ def diloco(
         isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point
     ):
         raise TypeError(f"diloco: comm_dtype={comm_dtype!r}: use a floating dtype or None.")
-    schedule = Schedule(every, fragment_offsets(every, fragments), delay)
-    rule = _Rule("diloco", outer, schedule, fragments, float(mix), comm_dtype, axis_name)
+    cadence = Cadence(every, fragment_offsets(every, fragments), delay)
+    rule = _Rule("diloco", outer, cadence, fragments, float(mix), comm_dtype, axis_name)
     return LowCommStep(
         step_fn,
         rule,

@@ -2,7 +2,7 @@
 
 The references are written out by hand, one process simulating every rank: synchronous data
 parallelism, and DiLoCo's outer step (the mean over replicas of ``outer - inner``, Nesterov
-momentum ``buf = m * buf + g``, ``outer -= lr * (g + m * buf)``) on each fragment's schedule.
+momentum ``buf = m * buf + g``, ``outer -= lr * (g + m * buf)``) on each fragment's cadence.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from _models import mlp, regression_batch
 
 import fddp
 import fddp.optim as optim
-from fddp._low_comm import Phase, Schedule, fragment_bounds, fragment_offsets
+from fddp._low_comm import Cadence, Phase, fragment_bounds, fragment_offsets
 
 SIZES = (6, 8, 8, 3)  # 6 leaves: three weights, three biases
 ROWS = 4  # per replica
@@ -331,12 +331,12 @@ def test_an_inner_step_that_accumulates_microbatches_equals_the_whole_batch(runs
         ("streaming_f2_tau1", 4, 9, 2, 1),
     ],
 )
-def test_streaming_matches_the_fragments_schedule(runs2, name, every, steps, fragments, delay):
+def test_streaming_matches_the_fragments_cadence(runs2, name, every, steps, fragments, delay):
     outer, inner = _reference(optim.adamw(1e-2), 2, steps, every, fragments=fragments, delay=delay)
     for rank, (got_outer, got_inner) in enumerate(runs2[name]):
         assert_trees_close(got_outer, outer, atol=1e-6, rtol=0)
         assert_trees_close(got_inner, inner[rank], atol=1e-6, rtol=0)
-    # wrong reference: every fragment on the non-streaming schedule (or no delay)
+    # wrong reference: every fragment on the non-streaming cadence (or no delay)
     wrong = _reference(optim.adamw(1e-2), 2, steps, every, fragments=1, delay=0)[0]
     assert max_abs_diff(runs2[name][0][0], wrong) > 1e-4
     if delay:
@@ -425,9 +425,9 @@ def test_a_simulated_run_under_vmap_equals_the_run_on_ranks(runs2, fragments, de
 # --- single process ---
 
 
-def test_schedule_of_fragments_and_delays():
+def test_cadence_of_fragments_and_delays():
     assert fragment_offsets(6, 3) == (2, 4, 0)
-    s = Schedule(6, (2, 4, 0), 2)
+    s = Cadence(6, (2, 4, 0), 2)
     # fragment 0 applied after inner step 2 (c >= delay), launched from the input of count 0
     assert s.phase(0) == Phase(launch_before=(0,))
     assert s.phase(1) == Phase(apply=(0,))
@@ -436,8 +436,8 @@ def test_schedule_of_fragments_and_delays():
     assert s.phase(4) == Phase(launch_before=(2,))
     assert s.phase(5) == Phase(apply=(2,))
     assert s.phase(6) == Phase(launch_before=(0,))
-    assert Schedule(4, (0,), 0).phase(3) == Phase(launch_after=(0,))
-    assert Schedule(4, (0,), 0).phase(2) == Phase()
+    assert Cadence(4, (0,), 0).phase(3) == Phase(launch_after=(0,))
+    assert Cadence(4, (0,), 0).phase(2) == Phase()
     assert fragment_bounds([10, 1, 1, 10], 2) == ((0, 2), (2, 4))
     assert fragment_bounds([100, 1, 1], 3) == ((0, 1), (1, 2), (2, 3))
     assert fragment_bounds([1, 1, 100], 3) == ((0, 1), (1, 2), (2, 3))
