@@ -15,6 +15,10 @@ from fddp import _model_calls
 def state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Split ``model`` into ``(params, buffers)``: dicts from qualified name to tensor.
 
+    The module's state as ``model.state_dict()`` holds it (non-persistent buffers included),
+    split in two: a step differentiates the parameters and carries the buffers. An optimizer's
+    state is another thing: ``opt.init(params)``.
+
     The tensors are detached (no autograd history, ``requires_grad=False``) and share storage
     with the module; nothing in fddp writes to them unless you donate them. A weight tied to
     several submodules appears once, under its first name.
