@@ -1,10 +1,4 @@
-"""Collectives over a named axis: psum, pmean, psum_scatter, all_gather, broadcast, axis_*.
-
-Every collective takes a pytree and acts per leaf. Over a process-group axis the work is done by
-``torch.distributed._functional_collectives``: traced inside ``data_parallel`` they become graph
-nodes that the scheduler buckets and overlaps; run eagerly, the leaves of one call are packed
-into flat buckets. Under ``fddp.vmap`` the same calls reduce over the mapped dimension.
-"""
+"""Collectives over a named axis: psum, pmean, psum_scatter, all_gather, broadcast, axis_*."""
 
 from __future__ import annotations
 
