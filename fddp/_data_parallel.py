@@ -1,10 +1,4 @@
-"""fddp.data_parallel: a step traced once per input signature, run as a scheduled graph.
-
-A call flows through one object per job: the step lock (one step at a time), the call check
-(the ranks agree on step, options and argument signature), the program cache (one compiled
-program per signature), the replica guard (replicated arguments stay replicated), and the
-compiler's pipeline (capture, passes, the ranks' agreement on what they compiled).
-"""
+"""fddp.data_parallel: a step traced once per input signature, run as a compiled graph."""
 
 from __future__ import annotations
 
