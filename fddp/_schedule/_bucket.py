@@ -1,12 +1,4 @@
-"""Bucket pass: merge the per-leaf all-reduces into one all-reduce per flat bucket.
-
-Gradients are grouped in the order the backward pass produces them, per (group, op, dtype,
-device), as DDP's reducer does: a bucket takes leaves until it holds ``first_cap`` bytes (the
-first) or ``cap`` bytes (the rest), so the leaf that crosses the cap still joins it and no bucket
-is left holding a few biases while a large weight starts the next. A bucket never holds an
-all-reduce whose result is needed before another member's input exists, so merging cannot
-create a cycle.
-"""
+"""Bucket pass: merge the per-leaf all-reduces into one all-reduce per flat bucket."""
 
 from __future__ import annotations
 
