@@ -1,12 +1,4 @@
-"""Capture a step as one aten graph on fake tensors, so nothing real runs while capturing.
-
-First choice: ``make_fx`` on the flattened step. It runs the step's Python once on fake tensors
-(a fraction of a second for a small model) and records every aten op, ``torch.func`` transforms
-and functional collectives included. Steps it cannot trace, typically model code that branches
-on tensor values unless ``torch.compiler.is_compiling()`` (Hugging Face's mask utilities), go
-through Dynamo (``fullgraph=True``), whose graph make_fx then lowers to aten: slower (seconds),
-but it evaluates such code the way ``torch.compile`` would.
-"""
+"""Capture a step as one aten graph on fake tensors, so nothing real runs while capturing."""
 
 from __future__ import annotations
 
