@@ -1,1 +1,1 @@
-"""The step compiler: capture, bucket pass, overlap pass, donation, fingerprint, backends."""
+"""The step compiler: capture, passes (replication, bucket, overlap, reinplace), plan, backends."""
