@@ -1,0 +1,160 @@
+"""The documentation site builds with warnings as errors and its pages render in a browser."""
+
+from __future__ import annotations
+
+import html.parser
+import importlib
+import inspect
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_readme import quickstart
+
+import fddp
+
+ROOT = Path(__file__).resolve().parents[1]
+LOOP = ROOT / "docs" / "guides" / "ddp_loop.py"
+NAMESPACES = ["fddp", "fddp.optim", "fddp.nn", "fddp.data", "fddp.typing"]
+
+
+def _unavailable(reason: str) -> None:
+    """Skip here; fail where CI is set, so CI cannot pass by skipping."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason} (CI is set, so this test may not be skipped)")
+    pytest.skip(reason)
+
+
+class _Page(html.parser.HTMLParser):
+    """The element ids of a page and the text of each of its <pre> blocks."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.ids: set[str] = set()
+        self.blocks: list[str] = []
+        self._depth = 0
+        self.feed(text)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.ids.update(value for name, value in attrs if name == "id" and value)
+        if tag == "pre":
+            if self._depth == 0:
+                self.blocks.append("")
+            self._depth += 1
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "pre" and self._depth:
+            self._depth -= 1
+
+    def handle_data(self, data: str) -> None:
+        if self._depth:
+            self.blocks[-1] += data
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    try:
+        import mkdocs  # noqa: F401
+    except ImportError:
+        _unavailable('mkdocs is not installed (pip install -e ".[dev]")')
+    out = tmp_path_factory.mktemp("site")
+    build = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert build.returncode == 0, build.stdout + build.stderr
+    return out
+
+
+def rendered(site: Path, page: str, tmp_path: Path) -> _Page:
+    """The page's DOM after headless Chromium loaded it."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        _unavailable("chromium is not installed (apt-get install -y chromium)")
+    path = site / page / "index.html"
+    assert path.is_file(), f"the site has no page {page}/"
+    browser = subprocess.run(
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--dump-dom",
+            path.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert browser.returncode == 0 and "</html>" in browser.stdout, browser.stderr[-2000:]
+    return _Page(browser.stdout)
+
+
+def test_quickstart_page_shows_the_readme_quickstart(site: Path, tmp_path: Path) -> None:
+    page = rendered(site, "quickstart", tmp_path)
+    assert quickstart().strip() in [block.strip() for block in page.blocks]
+
+
+def test_api_page_shows_signatures_and_examples(site: Path, tmp_path: Path) -> None:
+    page = rendered(site, "reference/fddp", tmp_path)
+    signature = next(b for b in page.blocks if b.lstrip().startswith("data_parallel("))
+    shown = re.findall(r"^\s+\**(\w+)\s*[:=,)]", signature, re.M)
+    assert shown == list(inspect.signature(fddp.data_parallel).parameters), signature
+    examples = [b for b in page.blocks if b.lstrip().startswith(">>> ")]
+    assert any("@fddp.data_parallel" in b for b in examples), examples
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_reference_documents_every_public_name(site: Path, namespace: str) -> None:
+    module = importlib.import_module(namespace)
+    page = _Page((site / "reference" / namespace.split(".")[-1] / "index.html").read_text())
+    public = [name for name in module.__all__ if not inspect.ismodule(getattr(module, name, None))]
+    missing = [name for name in public if f"{namespace}.{name}" not in page.ids]
+    assert public and not missing, f"{namespace}: no entry for {missing}"
+
+
+def test_ddp_guide_shows_its_loop(site: Path) -> None:
+    page = _Page((site / "guides" / "from-ddp" / "index.html").read_text())
+    assert LOOP.read_text().strip() in [block.strip() for block in page.blocks]
+
+
+def _run_loop(script: Path, cwd: Path) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return subprocess.Popen(
+        [sys.executable, str(script)], cwd=cwd, env=env, stdout=subprocess.PIPE, text=True
+    )
+
+
+def _lines(process: subprocess.Popen[str]) -> list[str]:
+    out, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, out
+    return out.splitlines()
+
+
+def test_ddp_guide_loop_resumes_where_it_stopped(tmp_path: Path) -> None:
+    """The guide's loop, stopped after two epochs and run again, ends as if never stopped."""
+    text = LOOP.read_text()
+    loop = "for epoch in range(start, epochs):"
+    assert loop in text
+    stopping = tmp_path / "stopping.py"
+    stopping.write_text(text.replace(loop, "for epoch in range(start, 2):"))
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "stopped").mkdir()
+    whole = _run_loop(LOOP, tmp_path / "whole")
+    first = _run_loop(stopping, tmp_path / "stopped")
+    whole_lines, first_lines = _lines(whole), _lines(first)
+    resumed_lines = _lines(_run_loop(LOOP, tmp_path / "stopped"))
+    assert [line.split(":")[0] for line in whole_lines] == ["epoch 0", "epoch 1", "epoch 2"]
+    assert first_lines == whole_lines[:2]
+    assert resumed_lines == whole_lines[2:]
