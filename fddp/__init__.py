@@ -24,6 +24,7 @@ from fddp._errors import (
     ScheduleMismatchError,
 )
 from fddp._grad import grad, value_and_grad
+from fddp._invariant import Invariant
 from fddp._low_comm import LowCommState, diloco, local_sgd
 from fddp._module import functional, state
 from fddp._pending import block_until_ready
@@ -37,6 +38,7 @@ from fddp._vmap import vmap
 __version__ = "0.1.0"
 
 __all__ = [
+    "Invariant",
     "LowCommState",
     "CaptureError",
     "PrintWhileTracingWarning",

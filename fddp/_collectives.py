@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.fx.traceback as fx_traceback
 
-from fddp import _annotations, _axes, _bucket_policy, _runtime
+from fddp import _annotations, _axes, _bucket_policy, _invariant_marks, _runtime
 from fddp._axes import DEFAULT_AXIS
 from fddp._errors import UsageTypeError
 from fddp._tree import leaves_with_paths, tensor_leaves
@@ -285,6 +285,8 @@ def pmean(tree: Any, axis_name: str = DEFAULT_AXIS) -> Any:
     tensor([2., 4.])
     """
     axis = named_axis(axis_name)
+    if _invariant_marks.passes_through(tree, axis_name):
+        return tree  # already the exact mean over the global batch (fddp.Invariant)
     _require_floating(tree)
     n = axis.size()
     return _map_tensors(

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from fddp import (
     _axes,
+    _invariant,
     _machine,
     _mesh,
     _model_calls,
@@ -29,6 +30,7 @@ from fddp._agree import Line, find_difference
 from fddp._bucket_policy import CapPolicy
 from fddp._call_check import CallCheck
 from fddp._collectives import ProcessAxis, process_axis
+from fddp._invariant import Invariant
 from fddp._program_cache import ProgramCache
 from fddp._replica_guard import (
     ReplicaGuard,
@@ -366,6 +368,7 @@ def data_parallel(
     check_replicas: bool | Sequence[int] = ...,
     cache_size: int = ...,
     overlap_steps: bool = ...,
+    invariant: Invariant | int | None = ...,
 ) -> DataParallelStep: ...
 
 
@@ -385,6 +388,7 @@ def data_parallel(
     check_replicas: bool | Sequence[int] = ...,
     cache_size: int = ...,
     overlap_steps: bool = ...,
+    invariant: Invariant | int | None = ...,
 ) -> Callable[[Callable[..., Any]], DataParallelStep]: ...
 
 
@@ -403,6 +407,7 @@ def data_parallel(
     check_replicas: bool | Sequence[int] = True,
     cache_size: int = 16,
     overlap_steps: bool = False,
+    invariant: Invariant | int | None = None,
 ) -> DataParallelStep | Callable[[Callable[..., Any]], DataParallelStep]:
     """Turn a pure training step into one replicated over the ranks of a process group.
 
@@ -461,6 +466,12 @@ def data_parallel(
             it moves half the launches to the end of the backward pass, which costs where
             the wire had been idle (README, "Overlap across steps"). Touching an output every
             step (``loss.item()``) makes the step wait for it. Needs ``compile=False``.
+        invariant: a chunk size or :class:`fddp.Invariant`: bitwise the same results on any
+            number of ranks, under ``fddp.vmap`` and with any bucket cap. ``value_and_grad``
+            and ``grad`` inside the step compute the loss (a mean over examples) and its
+            gradient per chunk of the batch argument and average them exactly over the global
+            batch (int64 on the wire); ``pmean`` of their results returns them as they are.
+            Every rank's batch must be a multiple of the chunk size (README, "Invariant mode").
 
     Every rank must build the step with the same options and call it at the same points: on
     every call the ranks compare the step, its options and the arguments' signature (one small
@@ -492,6 +503,7 @@ def data_parallel(
         check_replicas=check_replicas,
         cache_size=cache_size,
         overlap_steps=overlap_steps,
+        invariant=invariant,
     )
     if step_fn is None:
         return functools.partial(_data_parallel, **options)
@@ -558,6 +570,7 @@ def _data_parallel(
     check_replicas: bool | Sequence[int],
     cache_size: int,
     overlap_steps: bool,
+    invariant: Invariant | int | None = None,
     built_with: Sequence[Line] = (),
 ) -> DataParallelStep:
     """``data_parallel``; ``built_with``: more labelled lines on how the step was built (a
@@ -597,6 +610,15 @@ def _data_parallel(
         ("option overlap_steps", repr(overlap_steps)),
         ("option axes", repr({n: dist.get_world_size(g) for n, g in more_axes.items()})),
     ]
+    chunked = _invariant.checked(invariant)
+    if chunked is not None:
+        if comm_dtype is not None:
+            raise ValueError(
+                "invariant mode reduces gradients as exact int64 sums; comm_dtype would cast "
+                "them. Use one or the other."
+            )
+        described.append(("option invariant", repr(chunked)))
+        step_fn = _invariant.wrapped(chunked, axis_name, step_fn)
     return DataParallelStep(
         step_fn,
         axis_name=axis_name,

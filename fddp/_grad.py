@@ -10,6 +10,7 @@ import optree
 import torch
 from torch.fx import traceback as fx_traceback
 
+from fddp import _invariant_marks
 from fddp._annotations import FORWARD
 from fddp._errors import UsageValueError
 from fddp._tree import leaves_with_paths, tensor_leaves
@@ -62,6 +63,9 @@ def value_and_grad(
 
     @functools.wraps(f)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        invariant = _invariant_marks.active()  # a step built with invariant=: per chunk
+        if invariant is not None:
+            return invariant.run(f, argnums, has_aux, args, kwargs, value_and_grad)
         for n in nums:
             if not -len(args) <= n < len(args):
                 raise ValueError(

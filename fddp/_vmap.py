@@ -10,7 +10,7 @@ from typing import Any
 import optree
 import torch
 
-from fddp import _axes
+from fddp import _axes, _invariant
 from fddp._axes import DEFAULT_AXIS
 from fddp._sharded_params import TAKES_SHARDS, gathering
 from fddp._tree import path_str
@@ -381,6 +381,7 @@ def vmap(
     in_dims: Any = 0,
     out_dims: Any = 0,
     randomness: str = "error",
+    invariant: _invariant.Invariant | int | None = None,
 ) -> Callable[..., Any]:
     """Run ``fn`` as N simulated replicas in one process, one per entry of a mapped dimension.
 
@@ -403,6 +404,9 @@ def vmap(
         out_dims: where the replica dimension goes in each result (int, ``None`` for results
             that are the same on every replica, or a pytree prefix of the result).
         randomness: ``torch.func.vmap``'s ``"error"``, ``"different"`` or ``"same"``.
+        invariant: a chunk size or :class:`fddp.Invariant`, as for ``data_parallel``: the
+            gradients are computed per chunk on each replica's own slice (unbatched, the
+            kernels a rank runs) and averaged exactly, bitwise what any number of ranks gives.
 
     Returns:
         A function with ``fn``'s signature whose mapped arguments carry the replica dimension.
@@ -415,8 +419,11 @@ def vmap(
     tensor([-2.,  0.,  5.])
     """
 
+    chunked = _invariant.checked(invariant)
+    inner = fn if chunked is None else _invariant.wrapped(chunked, axis_name, fn)
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return _vmap_call(fn, axis_name, in_dims, out_dims, randomness, args, kwargs)
+        return _vmap_call(inner, axis_name, in_dims, out_dims, randomness, args, kwargs)
 
     return wrapper

@@ -9,6 +9,7 @@ import fddp.optim
 import fddp.typing
 
 PUBLIC = {
+    "Invariant",
     "LowCommState",
     "CaptureError",
     "PrintWhileTracingWarning",

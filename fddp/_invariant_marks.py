@@ -1,0 +1,72 @@
+"""The invariant mode's context: the axis it reduces over and the values it already reduced."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import optree
+import torch
+
+from fddp._errors import UsageValueError
+
+
+@dataclasses.dataclass
+class Context:
+    """An active invariant mode: ``run`` computes a value_and_grad call per chunk (see
+    ``fddp._invariant``); ``reduced`` holds the tensors it returned, already exact means over
+    the global batch, which ``pmean`` over ``axis_name`` passes through unchanged."""
+
+    axis_name: str
+    run: Callable[..., Any]
+    reduced: dict[int, weakref.ref] = dataclasses.field(default_factory=dict)
+
+    def mark(self, tree: Any) -> None:
+        for x in optree.tree_leaves(tree):
+            if isinstance(x, torch.Tensor):
+                self.reduced[id(x)] = weakref.ref(x)
+
+    def is_reduced(self, x: torch.Tensor) -> bool:
+        ref = self.reduced.get(id(x))
+        return ref is not None and ref() is x
+
+
+_stack: list[Context | None] = []  # None: suspended (inside a chunk's own gradient)
+
+
+@contextlib.contextmanager
+def entered(context: Context | None) -> Iterator[None]:
+    """Make ``context`` the active one inside the block (None suspends the mode)."""
+    _stack.append(context)
+    try:
+        yield
+    finally:
+        _stack.pop()
+
+
+def active() -> Context | None:
+    """The innermost active context, None outside the mode or inside a chunk's gradient."""
+    return _stack[-1] if _stack else None
+
+
+def passes_through(tree: Any, axis_name: str) -> bool:
+    """Whether ``pmean(tree, axis_name)`` is the identity: every tensor leaf was reduced by the
+    active mode over that axis. A tree that mixes reduced and other leaves is an error."""
+    context = active()
+    if context is None or context.axis_name != axis_name:
+        return False
+    leaves = [x for x in optree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+    marked = [context.is_reduced(x) for x in leaves]
+    if not any(marked):
+        return False
+    if not all(marked):
+        raise UsageValueError(
+            "pmean: this tree mixes values that the invariant mode already reduced exactly "
+            "(the loss, gradients and aux that fddp.value_and_grad returned) with other "
+            "tensors. Call pmean on them separately: on the former it returns them as they are, "
+            "the latter are averaged as usual (and are not world-size invariant)."
+        )
+    return True
