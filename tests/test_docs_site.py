@@ -131,6 +131,7 @@ def test_ddp_guide_shows_its_loop(site: Path) -> None:
 def _run_loop(script: Path, cwd: Path) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"  # two of these run at once
     return subprocess.Popen(
         [sys.executable, str(script)], cwd=cwd, env=env, stdout=subprocess.PIPE, text=True
     )
