@@ -128,6 +128,14 @@ def test_ddp_guide_shows_its_loop(site: Path) -> None:
     assert LOOP.read_text().strip() in [block.strip() for block in page.blocks]
 
 
+def test_readme_links_lead_to_files() -> None:
+    """README is the way into the documentation: each of its relative links names a file."""
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
+    local = [link for link in links if "://" not in link]
+    assert "docs/reference/fddp.md" in local and "docs/guides/from-ddp.md" in local, local
+    assert [link for link in local if not (ROOT / link).exists()] == []
+
+
 def _run_loop(script: Path, cwd: Path) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
