@@ -30,6 +30,7 @@ from fddp._module import functional, state
 from fddp._pending import block_until_ready
 from fddp._persistent_cache import cache_dir, set_cache_dir
 from fddp._powersgd import powersgd
+from fddp._recovery import Recovery, RecoverableStep, recoverable
 from fddp._runtime import init, rank, replicate, shard, world_size
 from fddp._sharded_params import ShardedParams, full_params, shard_params
 from fddp._timeline import plot_timeline
@@ -43,6 +44,8 @@ __all__ = [
     "CaptureError",
     "PrintWhileTracingWarning",
     "RankFailureError",
+    "RecoverableStep",
+    "Recovery",
     "ReplicaMismatchError",
     "RetraceWarning",
     "SaveArrivalError",
@@ -73,6 +76,7 @@ __all__ = [
     "psum",
     "psum_scatter",
     "rank",
+    "recoverable",
     "replicate",
     "save",
     "save_sharded",

@@ -1,0 +1,178 @@
+"""fddp.recoverable: ranks killed inside a step (before, during and after the all-reduce) and a
+stopped rank; the survivors keep training and end where full-batch training ends."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests._compare import assert_trees_close, assert_trees_equal
+from tests._dist import script_env
+from tests._recovery_scripts import common
+
+WORKER = Path(__file__).parent / "_recovery_scripts" / "worker.py"
+TIMEOUT_S = 6.0
+SETTLE_S = 2.5  # the 2-core CI machine can hold a process off the CPU for over a second
+# world A: 4 members; member 3 dies in the forward pass of step 1 (no all-reduce launched yet),
+# member 1 in the backward pass of step 3 (the first bucket's all-reduce in flight), member 0
+# (which the store does not depend on) in the optimizer update of step 5, after the all-reduce.
+KILLS = "3:1:forward,1:3:backward,0:5:tail"
+# world B: 3 members, 9 micro-batches (3 each; 5 and 4 once 2 are left: the short one pads);
+# member 1 stops (SIGSTOP) in step 2 and is found by the collective timeout.
+STOPS = "1:2:stop"
+MICRO_B = 9
+
+
+def _launch(world: int, kill: str, out: Path, **env: str):
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    environ = script_env(
+        FDDP_TEST_KILL=kill,
+        FDDP_TEST_TIMEOUT=str(TIMEOUT_S),
+        FDDP_TEST_SETTLE=str(SETTLE_S),
+        **env,
+    )
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(WORKER),
+                str(r),
+                str(world),
+                str(store.port),
+                str(out / f"{r}.pt"),
+            ],
+            env=environ,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(world)
+    ]
+    return store, procs
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def _finish(procs: list[subprocess.Popen], deadline: float) -> list[int | None]:
+    """Wait for every member to exit or stop; kill the stopped ones; their exit codes."""
+    while time.monotonic() < deadline:
+        running = [p for p in procs if p.poll() is None]
+        if all(_stopped(p.pid) for p in running):
+            break
+        time.sleep(0.1)
+    codes = []
+    for p in procs:
+        if p.poll() is None and not _stopped(p.pid):
+            p.send_signal(signal.SIGUSR1)  # the worker prints every thread's stack
+            time.sleep(0.5)
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+            codes.append(None)  # stopped (or hung: the assertions on its output fail)
+        else:
+            codes.append(p.returncode)
+    return codes
+
+
+def _reference(micro_batches: int) -> dict[str, torch.Tensor]:
+    """One process, the whole global batch each step, torch.optim.AdamW."""
+    params = {k: v.clone().requires_grad_() for k, v in common.initial_params().items()}
+    opt = torch.optim.AdamW(params.values(), lr=common.LR, weight_decay=common.WEIGHT_DECAY)
+    for step in range(common.STEPS):
+        batch = common.global_batch(step, micro_batches)
+        h = torch.tanh(batch["x"] @ params["w1"] + params["b1"])
+        loss = F.mse_loss(h @ params["w2"] + params["b2"], batch["y"])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {k: v.detach() for k, v in params.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory):
+    a, b = tmp_path_factory.mktemp("kills"), tmp_path_factory.mktemp("stop")
+    store_a, procs_a = _launch(4, KILLS, a)
+    store_b, procs_b = _launch(3, STOPS, b, FDDP_TEST_MICRO=str(MICRO_B))
+    deadline = time.monotonic() + 150
+    codes = {"a": _finish(procs_a, deadline), "b": _finish(procs_b, deadline)}
+    logs = {
+        name: [p.stdout.read().decode(errors="replace")[-3000:] for p in procs]
+        for name, procs in (("a", procs_a), ("b", procs_b))
+    }
+    del store_a, store_b
+    out = {}
+    for name, directory, world in (("a", a, 4), ("b", b, 3)):
+        out[name] = {
+            r: torch.load(directory / f"{r}.pt", weights_only=False)
+            for r in range(world)
+            if (directory / f"{r}.pt").exists()
+        }
+    return codes, logs, out
+
+
+def test_kills_before_during_and_after_the_all_reduce(runs):
+    codes, logs, out = runs
+    assert codes["a"] == [-9, -9, 0, -9], logs["a"]
+    (survivor,) = out["a"].values()
+    assert survivor["recovered_steps"] == (1, 3, 6)  # the tail kill: step 5 had committed
+    assert survivor["lost"] == [(3,), (1,), (0,)]
+    assert (survivor["generation"], survivor["members"]) == (3, (2,))
+    assert_trees_close(survivor["params"], _reference(common.MICRO_BATCHES), rtol=1e-5, atol=1e-6)
+
+
+def test_stopped_rank_is_dropped_after_the_timeout(runs):
+    codes, logs, out = runs
+    assert codes["b"] == [0, None, 0], logs["b"]
+    assert sorted(out["b"]) == [0, 2]
+    first, second = out["b"][0], out["b"][2]
+    for result in (first, second):
+        assert result["recovered_steps"] == (2,)
+        assert result["lost"] == [(1,)]
+        assert (result["generation"], result["members"]) == (1, (0, 2))
+    assert_trees_close(first["params"], _reference(MICRO_B), rtol=1e-5, atol=1e-6)
+    # the survivors stay replicas: bitwise the same parameters and optimizer state
+    assert_trees_equal(
+        (first["params"], first["opt_state"]), (second["params"], second["opt_state"])
+    )
+
+
+def test_unrecoverable_state_is_refused_with_the_alternative(runs):
+    _, logs, out = runs
+    refused = out["b"][0]["refused"]
+    assert set(refused) == {"shard_state", "diloco"}, logs["b"]
+    assert "fddp.optim.shard_state" in refused["shard_state"]
+    assert "save_sharded" in refused["shard_state"]
+    assert "fddp.diloco" in refused["diloco"]
+
+
+def test_rejects_a_group_made_elsewhere_and_bad_options():
+    # checked before any group is formed: no process group in this process
+    if dist.is_initialized():
+        pytest.skip("another test left a default process group in this process")
+    import fddp
+
+    opt = fddp.optim.sgd(0.1)
+    store = dist.HashStore()
+    with pytest.raises(ValueError, match="micro_batches=2 must be an int >= world_size"):
+        fddp.recoverable(lambda p, b: p, opt, store=store, rank=0, world_size=3, micro_batches=2)
+    with pytest.raises(ValueError, match="rank=3 is not in range"):
+        fddp.recoverable(lambda p, b: p, opt, store=store, rank=3, world_size=3, micro_batches=3)
+    assert os.environ.get("FDDP_TEST_KILL") is None  # only the workers' hook reads it
