@@ -2,8 +2,7 @@
 
 from fddp import data, nn, optim
 from fddp._accumulate import accumulate_gradients
-from fddp._checkpoint import load, save
-from fddp._checkpoint_sharded import load_sharded, save_sharded
+from fddp._checkpoint import load, load_sharded, save, save_sharded
 from fddp._collectives import (
     all_gather,
     axis_index,

@@ -26,7 +26,7 @@ from fddp import (
     _step_lock,
     _timeline,
 )
-from fddp._agree import Line, find_difference
+from fddp._agree import Line
 from fddp._bucket_policy import CapPolicy
 from fddp._call_check import CallCheck
 from fddp._collectives import ProcessAxis, process_axis
@@ -259,7 +259,7 @@ class DataParallelStep:
                 self._options,
                 donated,
                 machine,
-                self._compare,
+                self._group,
                 self.__name__,
                 cached=None
                 if key is None
@@ -321,9 +321,6 @@ class DataParallelStep:
         with _axes.bind(*self._axes()):
             fx_backend = self._options.in_place  # the FX backend runs fddp's schedule as it is
             return _sharded_params.gathering(self._step_fn, args, self.__name__, fx_backend)
-
-    def _compare(self, lines: list[Line]) -> Any:
-        return find_difference(lines, self._group) if _runtime.world_size(self._group) > 1 else None
 
     def _measured_machine(self, tensors: list[torch.Tensor]) -> _machine.Machine | None:
         """The link and compute figures the default bucket cap is chosen from (measured on the

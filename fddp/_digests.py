@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fddp._agree import find_difference
+from fddp._agree import Line, find_difference
 from fddp._errors import ReplicaMismatchError
 from fddp._tree import leaves_with_paths
 
@@ -139,6 +139,21 @@ def _describe(leaf: Any, digest: torch.Tensor | None) -> str:
     return text if digest is None else text + f" with digest {int(digest[0]) & (2**64 - 1):016x}"
 
 
+def leaf_lines(
+    paths: list[str], leaves: list[Any], known: torch.Tensor | None = None
+) -> list[Line]:
+    """A line per leaf, labelled ``leaf <path>``: a tensor's dtype, shape and digest, another
+    leaf's ``repr`` (``known``: the :func:`digests` of the tensor leaves, where the caller has
+    them), for :func:`fddp._agree.find_difference`."""
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    by_leaf = iter(digests(tensors) if known is None else known)
+    lines = []
+    for path, leaf in zip(paths, leaves):
+        digest = next(by_leaf) if isinstance(leaf, torch.Tensor) else None
+        lines.append((f"leaf {path}", _describe(leaf, digest)))
+    return lines
+
+
 def check_identical(
     tree: Any, group: dist.ProcessGroup | None, what: str, known: torch.Tensor | None = None
 ) -> None:
@@ -149,13 +164,7 @@ def check_identical(
     :func:`digests` of ``tree``'s tensor leaves, where the caller has them.
     """
     paths, leaves, spec = leaves_with_paths(tree)
-    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    by_leaf = iter(digests(tensors) if known is None else known)
-    lines = []
-    for path, leaf in zip(paths, leaves):
-        digest = next(by_leaf) if isinstance(leaf, torch.Tensor) else None
-        lines.append((f"leaf {path}", _describe(leaf, digest)))
-    lines.append(("the tree structure", str(spec)))
+    lines = [*leaf_lines(paths, leaves, known), ("the tree structure", str(spec))]
     difference = find_difference(lines, group)
     if difference is not None:
         raise ReplicaMismatchError(

@@ -13,17 +13,17 @@ import platform
 import secrets
 import stat
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import optree
 import torch
 import torch.distributed as dist
 
 from fddp import _runtime
+from fddp._checkpoint import _files
 from fddp._digests import digests
 from fddp._fingerprint import (
     Fingerprint,
@@ -257,20 +257,18 @@ def save(key: Key, compiled: Compiled) -> None:
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file renamed into place, which is removed
-    if anything fails."""
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".writing-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        _touch(temporary)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    """Write ``data`` to ``path``, readable by this user only, with the checkpoints' durable
+    atomic write (a temporary file, removed if anything fails, fsynced and renamed)."""
+
+    def write(f: BinaryIO) -> None:
+        f.write(data)
+        f.flush()
+        _touch(f.fileno())  # before the rename: no other process sees it used earlier
+
+    _files.replace_atomically(str(path), write, prefix=".writing-", private=True, what=None)
 
 
-def _touch(path: Path | str) -> None:
+def _touch(path: Path | str | int) -> None:
     """Mark ``path`` used now, by the precise clock (a write's time is the kernel's coarse one,
     so a program loaded just after another was written could seem used first)."""
     now = time.time_ns()
@@ -306,15 +304,14 @@ def _secret(directory: Path) -> bytes | None:
     try:
         if not path.exists():
             secret = secrets.token_bytes(_KEY_BYTES)
-            fd, temporary = tempfile.mkstemp(dir=directory, prefix=".writing-")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(secret)
-                os.link(temporary, path)  # fails if another process made it first
-            except FileExistsError:
-                pass
-            finally:
-                os.unlink(temporary)
+
+            def write(f: BinaryIO) -> None:
+                f.write(secret)
+
+            with contextlib.suppress(FileExistsError):  # another process made it first
+                _files.replace_atomically(
+                    str(path), write, prefix=".writing-", private=True, exclusive=True, what=None
+                )
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         with os.fdopen(fd, "rb") as f:
             status = os.fstat(f.fileno())

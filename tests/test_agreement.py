@@ -6,16 +6,20 @@ pending outputs complete before anything reads their memory. 2 gloo ranks, one s
 from __future__ import annotations
 
 import copy
+import errno
 import functools
 import os
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from _dist import raised, run_checks
 from _models import mlp_step, regression_batch
 
 import fddp
 import fddp.optim as optim
+from fddp import _agree
+from fddp._errors import UsageValueError
 
 SIZES = (6, 16, 16, 16, 3)
 SMALL_BUCKETS = 300 / 2**20  # a few Linear layers per bucket: several buckets
@@ -121,7 +125,41 @@ def check_pending_outputs_complete_before_their_memory_is_read() -> dict:
     }
 
 
+def check_capture_fails_on_rank_1_only() -> tuple[str, str]:
+    """Rank 1's step cannot be captured (it raises while tracing); rank 0's can."""
+    step, params, state = _mlp_step()
+
+    def failing_on_rank_1(params, state, batch):
+        if fddp.rank() == 1:
+            raise UsageValueError("this step cannot be built on rank 1")
+        return step(params, state, batch)
+
+    pstep = fddp.data_parallel(failing_on_rank_1)
+    return raised(lambda: pstep(params, state, _batch()))
+
+
+def check_raise_everywhere() -> dict:
+    """_agree.raise_everywhere and gather_or_raise with a failure on rank 1, on both ranks,
+    on no rank (lines that differ, then lines that agree)."""
+    rank = dist.get_rank()
+    full = OSError(errno.ENOSPC, "No space left on device", f"/ckpt/rank{rank}")
+    out = {
+        "rank_1": raised(lambda: _agree.raise_everywhere(full if rank == 1 else None)),
+        "both": raised(lambda: _agree.raise_everywhere(ValueError(f"bad on {rank}"))),
+        "differ": str(_agree.raise_everywhere(None, None, [("the batch", f"{rank + 4} rows")])),
+        "agree": _agree.raise_everywhere(None, None, [("the batch", "4 rows")]),
+        "values": _agree.gather_or_raise(None, {"rank": rank}),
+    }
+    try:
+        _agree.gather_or_raise(full if rank == 1 else None, rank)
+    except OSError as e:
+        out["errno"] = (e.errno, e.filename, str(e))
+    return out
+
+
 CHECKS = {
+    "capture_rank_1": check_capture_fails_on_rank_1_only,
+    "raise_everywhere": check_raise_everywhere,
     "bucket_cap": check_bucket_cap_differs,
     "schedule_on_rank_0": check_schedule_on_rank_0_only,
     "comm_dtype_eager": check_comm_dtype_on_one_rank_eagerly,
@@ -175,3 +213,22 @@ def test_pending_outputs_complete_before_dlpack_deepcopy_and_shared_memory_read_
         assert error == "TypeError" or "TypeError" in error, rank["parameter"]
         assert "fddp.block_until_ready" in message
         assert rank["parameter_of_finished"]
+
+
+def test_a_capture_error_on_one_rank_is_raised_on_every_rank_as_that_ranks():
+    (error_0, message_0), (error_1, message_1) = _results()["capture_rank_1"]
+    assert error_1 == error_0, (error_0, error_1)
+    assert "this step cannot be built on rank 1" in message_1
+    assert message_0 == message_1 + " (on rank 1)", (message_0, message_1)
+
+
+def test_raise_everywhere_raises_the_failing_ranks_error_on_every_rank():
+    for rank, out in enumerate(_results()["raise_everywhere"]):
+        note = " (on rank 1)" if rank == 0 else ""
+        path = "'/ckpt/rank1'"
+        assert out["rank_1"] == ("OSError", f"[Errno 28] No space left on device{note}: {path}")
+        assert out["both"] == ("ValueError", f"bad on {rank}")
+        assert out["differ"] == "the batch is 5 rows on rank 1 but 4 rows on rank 0"
+        assert out["agree"] is None
+        assert out["values"] == [{"rank": 0}, {"rank": 1}]
+        assert out["errno"] == (errno.ENOSPC, "/ckpt/rank1", out["rank_1"][1])

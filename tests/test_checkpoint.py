@@ -13,6 +13,7 @@ import enum
 import functools
 import io
 import os
+import pickle
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -234,6 +235,73 @@ def test_plain_torch_save_file_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"not an fddp checkpoint but a plain torch\.save file"):
         load(path, like={"w": torch.zeros(1)})
     assert not marker.exists()
+
+
+def _pickle_load(path: Path) -> object:
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+@pytest.mark.parametrize(
+    "reader",
+    [
+        torch.load,  # weights_only=True, torch's default
+        functools.partial(torch.load, weights_only=True),
+        functools.partial(torch.load, weights_only=False),
+        _pickle_load,
+    ],
+    ids=["torch.load", "weights_only=True", "weights_only=False", "pickle.load"],
+)
+def test_torch_load_of_a_checkpoint_names_fddp_load(tmp_path: Path, reader) -> None:
+    path = tmp_path / "ckpt.pt"
+    marker = tmp_path / "pwned"
+    save(path, {"w": torch.ones(2), "note": str(marker)})
+    with pytest.raises(LookupError) as info:
+        reader(path)
+    message = str(info.value)
+    assert "fddp checkpoint (written by fddp.save, not torch.save)" in message, message
+    assert "load it with fddp.load(path, like=...)" in message, message
+    assert not marker.exists()
+    assert_trees_equal(
+        load(path, like={"w": torch.zeros(2), "note": ""}),
+        {
+            "w": torch.ones(2),
+            "note": str(marker),
+        },
+    )
+
+
+def test_a_file_of_the_previous_format_still_loads(tmp_path: Path) -> None:
+    """Format 1 (fddp 0.1.0): the header (b"FDDPCKPT", version, SHA-256 and length of the
+    payload) at the start of the file, then torch.save's bytes of the payload."""
+    import hashlib
+    import struct
+
+    tree = make_tree(seed=3)
+    paths = ["['layer']['weight']", "['layer']['bias']", "['emb']"]
+    leaves = [tree["params"]["layer"]["weight"], tree["params"]["layer"]["bias"]]
+    leaves.append(tree["params"]["emb"])
+    payload = io.BytesIO()
+    torch.save(
+        {
+            "format": "fddp.checkpoint",
+            "version": 1,
+            "structure": "PyTreeSpec(...)",
+            "paths": paths,
+            "leaves": leaves,
+            "machine": [],
+        },
+        payload,
+    )
+    data = payload.getvalue()
+    header = struct.pack("<8sI32sQ", b"FDDPCKPT", 1, hashlib.sha256(data).digest(), len(data))
+    path = tmp_path / "old.pt"
+    path.write_bytes(header + data)
+    assert_trees_equal(load(path, like=make_tree()["params"]), tree["params"])
+    assert_trees_equal(load(path), dict(zip(paths, leaves)))
+    path.write_bytes(header + data[:-1])
+    with pytest.raises(ValueError, match=r"corrupted or truncated \(\d+ payload bytes"):
+        load(path, like=make_tree()["params"])
 
 
 def _spy_on_torch_save(writers: list[int], fail: bool = False) -> None:

@@ -21,7 +21,7 @@ from _dist import run_checks
 
 import fddp
 import fddp.optim as optim
-from fddp import _checkpoint_sharded
+from fddp._checkpoint import _manifest
 from fddp._errors import UsageValueError
 
 MANIFEST = "fddp-sharded.json"
@@ -111,7 +111,7 @@ def _load_while_another_job_publishes(tmp: str, name: str, remove_first: bool) -
         data = json.load(f)["data"]
     store = dist.distributed_c10d._get_default_store()
     key = f"{READ_KEY}/{name}"
-    read = _checkpoint_sharded._read_manifest
+    read = _manifest.read
 
     def read_then_tell(directory: str):
         body = read(directory)
@@ -119,7 +119,7 @@ def _load_while_another_job_publishes(tmp: str, name: str, remove_first: bool) -
         return body
 
     if rank == 0:
-        _checkpoint_sharded._read_manifest = read_then_tell
+        _manifest.read = read_then_tell
     try:
         if rank == 1:
             store.wait([key])
@@ -130,7 +130,7 @@ def _load_while_another_job_publishes(tmp: str, name: str, remove_first: bool) -
     except ValueError as e:
         return {"error": str(e), "first": data}
     finally:
-        _checkpoint_sharded._read_manifest = read
+        _manifest.read = read
     return {"loaded": loaded, "first": first}
 
 

@@ -145,11 +145,11 @@ def _full_disk_in_dcp(ending: str, room: int):
 @contextlib.contextmanager
 def _full_manifest():
     """fddp's own small files (the manifest) fill the disk after 10 bytes."""
-    from fddp import _checkpoint
+    from fddp._checkpoint import _files
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(
-            _checkpoint,
+            _files,
             "open",
             lambda *a, **k: _FullDisk(open(*a, **k), 10),  # noqa: SIM115 (closed by its exit)
             raising=False,
@@ -218,7 +218,9 @@ def _dcp_save_as_before(path: str, tree) -> None:
     """What save_sharded wrote before the manifest: a plain DCP directory of fddp's keys."""
     import torch.distributed.checkpoint as dcp
 
-    from fddp._checkpoint_sharded import _entries, _mesh, _part
+    from fddp._checkpoint._dcp import entries as _entries
+    from fddp._checkpoint._dcp import mesh as _mesh
+    from fddp._checkpoint._dcp import part as _part
 
     entries = _entries(tree)
     mesh = _mesh(dist.group.WORLD, entries)

@@ -7,8 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from fddp._agree import Difference, Line
+from fddp._agree import find_difference, raise_everywhere
 from fddp._bucket_policy import CapPolicy, Choice
 from fddp._errors import ScheduleMismatchError
 from fddp._machine import Machine
@@ -126,9 +127,6 @@ def choose_cap(
     )
 
 
-Compare = Callable[[list[Line]], "Difference | None"]  # the ranks' lines: where they differ
-
-
 def compile_step(
     step_fn: Callable[..., Any],
     args: tuple,
@@ -136,7 +134,7 @@ def compile_step(
     options: Options,
     donated: set[int],
     machine: Machine | None,
-    compare: Compare,
+    group: dist.ProcessGroup | None,
     name: str,
     cached: Callable[[], Compiled | None] | None = None,
     agreed_cap: int | None = None,
@@ -148,11 +146,10 @@ def compile_step(
 
     ``method`` is how this step was captured before (see ``capture``). ``compare_graphs``: also
     compare the graphs node by node (not for steps over sharded state, whose graphs update each
-    rank's own shards). ``compare`` compares
-    labelled lines across the ranks (a collective). Every rank learns
-    every rank's capture outcome and collective sequence: a capture error on one rank is raised
-    on every rank (the others name it), and ranks that compiled different collective
-    sequences raise instead of running them into a hang.
+    rank's own shards). The ranks of ``group`` compare what they compiled (a collective): a
+    capture error on one rank is raised on every rank (``_agree.raise_everywhere``: the others
+    raise it as that rank's), and ranks that compiled different collective sequences raise
+    instead of running them into a hang.
     """
     error: Exception | None = None
     compiled: Compiled | None = None
@@ -167,34 +164,20 @@ def compile_step(
                 compiled = Compiled(program, captured, dynamo)
     except Exception as e:  # every rank must learn about it before anyone runs a collective
         error = e
-    status = f"failed with {type(error).__name__}: {error}" if error else "captured"
-    lines = [("the capture", status.split("\n")[0])]
     sequence = compiled.program.sequence if compiled else []
-    lines += [(f"collective #{i}", s) for i, s in enumerate(sequence)]
-    difference = compare(lines)
-    if difference is None and compiled and compare_graphs:
+    lines = [(f"collective #{i}", s) for i, s in enumerate(sequence)]
+    difference = raise_everywhere(error, group, lines)
+    assert compiled is not None
+    if difference is None and compare_graphs:
         # compared once the sequences agree, so that a missing collective is named as one; a
         # program loaded from the cache keeps its graph's digest, and builds the graph only to
         # name the difference
         program = compiled.program
-        difference = compare([("the graph", f"{program.graph_digest():014x}")])
+        difference = find_difference([("the graph", f"{program.graph_digest():014x}")], group)
         if difference is not None:
-            difference = compare(comparable_lines(program.graph)) or difference
-    if error is not None:
-        raise error
-    assert compiled is not None
+            difference = find_difference(comparable_lines(program.graph), group) or difference
     if difference is None:
         return compiled
-    if difference.label == "the capture":
-        failed_rank, failure = (
-            (difference.rank, difference.theirs)
-            if difference.ours == "captured"
-            else (0, difference.ours)
-        )
-        raise RuntimeError(
-            f"{name}: rank {failed_rank} {failure.removeprefix('failed with ')} while "
-            "capturing the step; this rank stops too instead of waiting for it."
-        )
     if difference.label.startswith("node "):
         raise ScheduleMismatchError(
             f"{name}: ranks compiled different graphs: {difference}: every rank must build "
