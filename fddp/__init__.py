@@ -31,7 +31,7 @@ from fddp._persistent_cache import cache_dir, set_cache_dir
 from fddp._powersgd import powersgd
 from fddp._recovery import Recovery, RecoverableStep, recoverable
 from fddp._runtime import init, rank, replicate, shard, world_size
-from fddp._sharded_params import ShardedParams, full_params, shard_params
+from fddp._sharding import ShardedParams, full_params, full_state_dict, shard_params
 from fddp._timeline import plot_timeline
 from fddp._vmap import vmap
 
@@ -61,6 +61,7 @@ __all__ = [
     "data_parallel",
     "diloco",
     "full_params",
+    "full_state_dict",
     "functional",
     "grad",
     "init",

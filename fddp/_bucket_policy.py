@@ -1,21 +1,10 @@
-"""How large a bucket of collectives is: one policy for data_parallel's all-reduces and for
-shard_state's reduce-scatters and all-gathers.
-
-A cap set by the user is used as it is. The default, the rule of thumb, is a sixteenth of all
-the bytes to reduce, within [the first bucket's cap, DDP's 25 MiB], which makes about 8 to 16
-buckets (a bucket closes once it reaches the cap). Where the link has been measured it is also
-no smaller than a bucket whose transfer takes five link latencies, above 25 MiB too (a ring
-all-reduce over many ranks pays its latency per rank: on 1,024 ranks a 25 MiB bucket is mostly
-latency), and a cost model may overrule it: only where its predictions differ by more than the
-model's resolution (5 %), and then the cap nearest the rule of thumb among those within 5 % of
-the fastest wins.
-"""
+"""How large a bucket of collectives is, and which leaves share one: the one bucket rule."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 
 from fddp._machine import Machine
 
@@ -34,9 +23,12 @@ def rule_of_thumb(total: int, first: int, machine: Machine | None = None) -> int
     """A sixteenth of ``total`` bytes within [``first``, 25 MiB]; with a measured ``machine``,
     no smaller than five latencies' worth of transfer (nor than that in all, ``total``).
 
-    Measured with 2 gloo ranks behind a 5 Gbit/s link (benchmarks/): 8-layer MLP, 33 MB of
-    gradients, nine 4 MiB buckets 144-175 ms a step against 199-236 ms with 25 MiB ones; on
-    plain loopback the two were within noise.
+    A sixteenth makes about 8 to 16 buckets (a bucket closes once it reaches the cap). The
+    latency floor may exceed 25 MiB: a ring all-reduce over many ranks pays its latency per
+    rank, so on 1,024 ranks a 25 MiB bucket is mostly latency.
+
+    >>> rule_of_thumb(32 * MIB, MIB) == 2 * MIB
+    True
     """
     cap = min(DDP_CAP_BYTES, max(first, total // _FRACTION))
     if machine is not None:
@@ -67,7 +59,9 @@ class Choice:
 @dataclasses.dataclass(frozen=True)
 class CapPolicy:
     """The cap of the buckets after the first: ``fixed`` bytes (``bucket_cap_mb``), or, when
-    None, the rule of thumb, which the cost model may overrule where the link is measured."""
+    None, the rule of thumb, which the cost model may overrule where the link is measured:
+    only where its predictions differ by more than its resolution (5 %), and then the cap
+    nearest the rule of thumb among those within 5 % of the fastest wins."""
 
     fixed: int | None
     first: int
@@ -97,3 +91,61 @@ class CapPolicy:
             f"{predicted[cap] * 1e3:.1f} ms; relative to the fastest: {table}; rule of thumb "
             f"{preferred / MIB:.3g} MiB)",
         )
+
+
+def pack(
+    nbytes: Sequence[int],
+    keys: Sequence[Hashable],
+    cap: int,
+    *,
+    first_cap: int | None = None,
+    crossing_joins: bool = True,
+    ready: Sequence[int] | None = None,
+    first_use: Sequence[int] | None = None,
+) -> list[list[int]]:
+    """Items taken in order into buckets of one key each: which items share a bucket.
+
+    An open bucket of a key takes that key's next item while it holds fewer than ``cap`` bytes
+    (``first_cap`` for the key's first bucket), so the item that crosses the cap still joins
+    it: no bucket is left holding a few biases while a large weight starts the next (DDP's
+    rule). Otherwise the bucket closes and the item opens the next one.
+
+    Args:
+        nbytes: each item's bytes.
+        keys: each item's key (dtype, device, process group, ...): a bucket holds one key.
+        cap: bytes after which a bucket takes no more items.
+        first_cap: the cap of each key's first bucket (None: ``cap``).
+        crossing_joins: False: an item joins only if the bucket then holds at most ``cap``
+            bytes, so a bucket exceeds the cap only when one item alone does. For a flat copy
+            made outside any schedule (eager collectives), whose peak memory the cap bounds.
+        ready, first_use: with both, an item joins only if it is ready before every member's
+            result is first needed (positions in a program), so that merging the members'
+            collectives into one cannot make a cycle.
+
+    Returns:
+        The buckets, each a list of item indices in order, in the order they close (when the
+        next item of their key does not join; the rest at the end, in the order they opened).
+
+    >>> pack([4, 4, 4, 8, 4], ["f", "f", "f", "i", "f"], cap=6)
+    [[0, 1], [2, 4], [3]]
+    >>> pack([4, 4, 4, 8, 4], ["f", "f", "f", "i", "f"], cap=6, crossing_joins=False)
+    [[0], [1], [2], [4], [3]]
+    """
+    opened: dict[Hashable, tuple[list[int], int, float]] = {}
+    done: list[list[int]] = []
+    past_first: set[Hashable] = set()  # keys whose first bucket is closed
+    for i, (size, key) in enumerate(zip(nbytes, keys, strict=True)):
+        needed = math.inf if first_use is None else first_use[i]
+        if key in opened:
+            bucket, used, deadline = opened[key]
+            limit = cap if first_cap is None or key in past_first else first_cap
+            fits = used < limit if crossing_joins else used + size <= limit
+            if fits and (ready is None or ready[i] < deadline):
+                bucket.append(i)
+                opened[key] = (bucket, used + size, min(deadline, needed))
+                continue
+            done.append(bucket)
+            past_first.add(key)
+        opened[key] = ([i], size, needed)
+    done.extend(bucket for bucket, _, _ in opened.values())
+    return done

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from fddp import _runtime
 from fddp._agree import Difference, DigestCheck, Line, digest, first_difference, gather_lines
 from fddp._errors import ScheduleMismatchError
-from fddp._sharded_params import sharded_positions
+from fddp._sharding import sharded_positions
 from fddp._signature import Signature, leaf_paths
 
 _LINES_KEPT = 64  # signatures whose lines are kept for the next calls

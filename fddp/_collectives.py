@@ -53,19 +53,10 @@ def _all_reduce_sum(x: torch.Tensor, group_name: GroupName) -> torch.Tensor:
 
 def _eager_buckets(leaves: list[torch.Tensor]) -> list[list[int]]:
     """Leaves of one dtype and device, in order, up to ``EAGER_BUCKET_BYTES`` per bucket."""
-    open_buckets: dict[tuple, tuple[list[int], int]] = {}
-    done: list[list[int]] = []
-    for i, x in enumerate(leaves):
-        key, nbytes = (x.dtype, x.device), x.numel() * x.element_size()
-        if key in open_buckets:
-            bucket, size = open_buckets[key]
-            if size + nbytes <= EAGER_BUCKET_BYTES:
-                open_buckets[key] = ([*bucket, i], size + nbytes)
-                continue
-            done.append(bucket)
-        open_buckets[key] = ([i], nbytes)
-    done.extend(bucket for bucket, _ in open_buckets.values())
-    return sorted(done, key=lambda bucket: bucket[0])
+    nbytes = [x.numel() * x.element_size() for x in leaves]
+    keys = [(x.dtype, x.device) for x in leaves]
+    buckets = _bucket_policy.pack(nbytes, keys, EAGER_BUCKET_BYTES, crossing_joins=False)
+    return sorted(buckets, key=lambda bucket: bucket[0])
 
 
 def _packed(leaves: list[torch.Tensor], fn: Any) -> list[torch.Tensor]:

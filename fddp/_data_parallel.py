@@ -22,7 +22,7 @@ from fddp import (
     _pending,
     _persistent_cache,
     _runtime,
-    _sharded_params,
+    _sharding,
     _step_lock,
     _timeline,
 )
@@ -268,7 +268,7 @@ class DataParallelStep:
                 ),
                 agreed_cap=agreed_cap,
                 method=self._capture_method,
-                compare_graphs=not _sharded_params.holds_shards(args),
+                compare_graphs=not _sharding.holds_shards(args),
             )
         self._capture_method = compiled.captured.method
         signature = self._with_modes(signature, args, compiled)
@@ -320,7 +320,7 @@ class DataParallelStep:
         their positions cut back into shards (``fddp.shard_params``)."""
         with _axes.bind(*self._axes()):
             fx_backend = self._options.in_place  # the FX backend runs fddp's schedule as it is
-            return _sharded_params.gathering(self._step_fn, args, self.__name__, fx_backend)
+            return _sharding.gathering(self._step_fn, args, self.__name__, fx_backend)
 
     def _measured_machine(self, tensors: list[torch.Tensor]) -> _machine.Machine | None:
         """The link and compute figures the default bucket cap is chosen from (measured on the

@@ -1,13 +1,4 @@
-"""While a fully sharded step is traced: which full tensors are gathered parameter buckets.
-
-A fully sharded step sees its parameters gathered from this replica's shards, and its
-optimizer (``shard_state``) computes this replica's shard of every update. When the step
-returns ``params + updates`` built from exactly those, this replica's shard of the result is
-``shard + update shard``, with no gather of the updates: the record below lets the optimizer,
-``apply_updates`` and the transform recognise that case. Tensors are recognised by identity
-and version (an in-place write after they were noted makes them unknown), so anything else
-the step computes takes the general path: the shards cut from the full result.
-"""
+"""While a fully sharded step is traced: which full tensors are gathered parameter buckets."""
 
 from __future__ import annotations
 
@@ -38,7 +29,16 @@ _records: list[dict[int, Piece]] = []
 
 @contextlib.contextmanager
 def recording() -> Iterator[None]:
-    """Note gathered leaves inside the block (one trace of a fully sharded step)."""
+    """Note gathered leaves inside the block (one trace of a fully sharded step).
+
+    A fully sharded step sees its parameters gathered from this replica's shards, and its
+    optimizer (``shard_state``) computes this replica's shard of every update. When the step
+    returns ``params + updates`` built from exactly those, this replica's shard of the result
+    is ``shard + update shard``, with no gather of the updates: the record lets the optimizer,
+    ``apply_updates`` and the transform recognise that case. Tensors are recognised by identity
+    and version (an in-place write after they were noted makes them unknown), so anything else
+    the step computes takes the general path: the shards cut from the full result.
+    """
     _records.append({})
     try:
         yield

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from fddp import _digests, _runtime
 from fddp._errors import ReplicaMismatchError
-from fddp._sharded_params import sharded_positions
+from fddp._sharding import sharded_positions
 from fddp._signature import leaf_paths
 from fddp._tree import leaves_with_paths
 

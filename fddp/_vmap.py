@@ -12,7 +12,7 @@ import torch
 
 from fddp import _axes, _invariant
 from fddp._axes import DEFAULT_AXIS
-from fddp._sharded_params import TAKES_SHARDS, gathering
+from fddp._sharding import TAKES_SHARDS, gathering
 from fddp._tree import path_str
 
 # How a collective finds "its" vmap level: every collective passes the axis's replica index as

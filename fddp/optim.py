@@ -54,7 +54,7 @@ from fddp._optim import (
     warmup_cosine_decay_schedule,
 )
 from fddp._types import GradientTransformation
-from fddp._zero import ShardedState, shard_state, state_bytes
+from fddp._sharding import ShardedState, shard_state, state_bytes
 
 __all__ = [
     "ApplyIfFiniteState",

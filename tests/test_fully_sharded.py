@@ -405,6 +405,44 @@ def check_errors() -> dict:
     return out
 
 
+def check_state_dict_and_names() -> dict | None:
+    """On 2 ranks: a BatchNorm CNN trained fully sharded, exported with full_state_dict into a
+    fresh torch module; each leaf's piece on this rank, by name."""
+    if torch.distributed.get_rank() >= 2:
+        return None
+    pair, steps = _pair(), 3
+    _, _, (_, sharded, _, buffers, batch) = _train(pair, "cnn", "sgd_momentum", "full", steps=steps)
+    want_params, want_buffers, _ = _train(pair, "cnn", "sgd_momentum", "zero2", steps=steps)
+    out = {}
+    state_dict = fddp.full_state_dict(sharded, buffers)
+    fresh = small_cnn(seed=7).eval()
+    fresh.load_state_dict(state_dict, strict=True)
+    reference = small_cnn().eval()  # the trained function: replicated training's values
+    with torch.no_grad():
+        out["outputs"] = (
+            fresh(batch["x"]),
+            fddp.functional(reference)(want_params, want_buffers, batch["x"]),
+        )
+    out["keys"] = (sorted(state_dict), sorted(reference.state_dict()))
+    out["rank0 only"] = fddp.full_state_dict(sharded, buffers, rank0_only=True)
+    out["state dict"] = {k: v.clone() for k, v in state_dict.items()}
+    out["names"] = list(sharded)
+    out["len"] = len(sharded)
+    out["in"] = ("conv1.weight" in sharded, "conv1.weight.x" in sharded, 3 in sharded)
+    out["pieces"] = {name: (sharded.local_slice(name), sharded[name].clone()) for name in sharded}
+    out["items"] = {k: v.clone() for k, v in sharded.items()}
+    try:
+        sharded["conv1"]
+    except KeyError as e:
+        out["unknown"] = str(e)
+    try:
+        fddp.full_state_dict(sharded, {**buffers, "conv1.weight": buffers["bn1.running_mean"]})
+    except ValueError as e:
+        out["both"] = str(e)
+    torch.distributed.barrier(group=pair)
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("fully_sharded"))
@@ -415,6 +453,7 @@ def runs(tmp_path_factory):
         "bf16 3": functools.partial(check_bf16_gathers, 3),
         "schedule": check_schedule_and_memory,
         "errors": check_errors,
+        "state dict": check_state_dict_and_names,
     }
     return run_checks(checks, 3, timeout=420)
 
@@ -487,6 +526,7 @@ def test_bad_input_raises_clear_errors(runs):
     for rank, out in enumerate(runs["errors"]):
         assert "must be the new parameters" in out["wrong output"]
         assert "integer" in out["integers"] or "floating-point" in out["integers"]
+        assert "shard_params" in out["integers"] and "shard_state" not in out["integers"]
         if rank < 2:
             assert "sharded over 3 replicas" in out["other world"]
         assert_trees_close(out["state dict"], out["params"], rtol=0, atol=0)
@@ -511,3 +551,62 @@ def test_checkpoints_reshard_between_two_and_three_ranks(runs):
                 want, got = map(_without_key_bias, out[key])
                 assert_trees_close(got, want, rtol=0, atol=TOL, what=f"rank {rank}, {key}")
         assert "fully sharded parameters" in out["fddp.save"] and "save_sharded" in out["fddp.save"]
+
+
+def test_full_state_dict_loads_strictly_into_a_fresh_batchnorm_model(runs):
+    """Parameters gathered and buffers in one dict: torch's strict load takes it, and the fresh
+    module computes what replicated training computes (running statistics included)."""
+    results = runs["state dict"]
+    assert [r is None for r in results] == [False, False, True]
+    for rank, out in enumerate(results[:2]):
+        got, want = out["outputs"]
+        assert_trees_close(got, want, rtol=0, atol=1e-5, what=f"rank {rank}")
+        keys, module_keys = out["keys"]
+        assert keys == module_keys and "bn1.num_batches_tracked" in keys
+        assert "conv1.weight" in out["both"] and "both parameters and buffers" in out["both"]
+    assert_trees_close(results[0]["rank0 only"], results[0]["state dict"], rtol=0, atol=0)
+    assert results[1]["rank0 only"] is None
+
+
+def test_sharded_params_are_a_mapping_of_each_leafs_piece_on_this_rank(runs):
+    """``sharded[name]`` is this rank's piece of the leaf, at ``local_slice(name)`` of it
+    flattened: the two ranks' pieces tile every full leaf exactly."""
+    first, second = runs["state dict"][:2]
+    full = {k: v for k, v in first["state dict"].items() if k in first["names"]}
+    params = dict(fddp.state(small_cnn())[0])
+    assert first["names"] == second["names"] == sorted(params)  # flattening order
+    assert first["len"] == len(params)
+    for out in (first, second):
+        assert out["in"] == (True, False, False)
+        assert out["items"].keys() == full.keys()
+        assert "no leaf 'conv1'" in out["unknown"] and "'conv1.weight'" in out["unknown"]
+    split = 0
+    for name, leaf in full.items():
+        flat = leaf.reshape(-1)
+        covered = torch.zeros(flat.numel(), dtype=torch.int64)
+        for out in (first, second):
+            where, piece = out["pieces"][name]
+            assert torch.equal(piece, flat[where]), name
+            assert torch.equal(out["items"][name], piece), name
+            covered[where] += 1
+        assert torch.equal(covered, torch.ones_like(covered)), name  # each element once
+        split += all(out["pieces"][name][1].numel() > 0 for out in (first, second))
+    assert split >= 1  # some leaf straddles the two ranks' shards
+
+
+def test_errors_name_the_function_the_user_called():
+    """One layout serves shard_state and shard_params: its errors say which was called."""
+    integers = {"n": torch.zeros(3, dtype=torch.int64)}
+    with pytest.raises(TypeError, match=r"^shard_params: .*floating-point"):
+        fddp.shard_params(integers)
+    with pytest.raises(TypeError, match=r"^shard_state: .*floating-point"):
+        optim.shard_state(optim.sgd(0.1)).init(integers)
+    for cap in (0, -1.0):
+        with pytest.raises(ValueError, match=r"^shard_params: bucket_cap_mb must be positive"):
+            fddp.shard_params({"w": torch.ones(2)}, bucket_cap_mb=cap)
+        with pytest.raises(ValueError, match=r"^shard_state: bucket_cap_mb must be positive"):
+            optim.shard_state(optim.sgd(0.1), bucket_cap_mb=cap)
+    with pytest.raises(TypeError, match="flat dict name -> tensor"):
+        fddp.full_state_dict({"a": {"b": torch.ones(1)}}, {})
+    with pytest.raises(TypeError, match="full_params takes the ShardedParams"):
+        fddp.full_params({"w": torch.ones(2)})

@@ -32,6 +32,7 @@ PUBLIC = {
     "data_parallel",
     "diloco",
     "full_params",
+    "full_state_dict",
     "functional",
     "grad",
     "init",

@@ -16,6 +16,7 @@ from torch._guards import detect_fake_mode
 from torch._prims_common import make_contiguous_strides_for
 
 from fddp._annotations import BUCKET, BUCKET_LEAVES, LEAF_PATH
+from fddp._bucket_policy import pack
 from fddp._schedule._graph import (
     ALL_REDUCE,
     ALL_REDUCE_INPLACE,
@@ -108,22 +109,15 @@ def total_bytes(members: Sequence[Member | Reduction]) -> int:
 
 def assign(members: Sequence[Bucketed], cap: int, first_cap: int) -> list[list[Bucketed]]:
     """Group members (sorted by ready position) into buckets; pure, no graph changes."""
-    open_buckets: dict[tuple, tuple[list[Bucketed], int, int]] = {}
-    done: list[list[Bucketed]] = []
-    closed_keys: set[tuple] = set()  # keys whose first bucket is done: the rest take ``cap``
-    for m in members:
-        size = m.nbytes
-        if m.key in open_buckets:
-            bucket, used, deadline = open_buckets[m.key]
-            limit = cap if m.key in closed_keys else first_cap
-            if used < limit and m.ready < deadline:
-                bucket.append(m)
-                open_buckets[m.key] = (bucket, used + size, min(deadline, m.first_use))
-                continue
-            done.append(bucket)
-            closed_keys.add(m.key)
-        open_buckets[m.key] = ([m], size, m.first_use)
-    done.extend(bucket for bucket, _, _ in open_buckets.values())
+    packed = pack(
+        [m.nbytes for m in members],
+        [m.key for m in members],
+        cap,
+        first_cap=first_cap,
+        ready=[m.ready for m in members],
+        first_use=[m.first_use for m in members],
+    )
+    done = [[members[i] for i in bucket] for bucket in packed]
     done.sort(key=lambda b: max(m.ready for m in b))
     return done
 

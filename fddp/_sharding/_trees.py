@@ -1,0 +1,63 @@
+"""Which sharded parameters and states a tree holds, and the group they were cut over."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+
+from fddp._errors import UsageValueError
+from fddp._sharding._group import ranks_of
+from fddp._sharding._params import ShardedParams
+from fddp._sharding._state import ShardedState
+from fddp._tree import path_str
+
+_SHARDED = (ShardedParams, ShardedState)
+
+
+def cut_ranks(tree: Any) -> tuple[int, ...] | None:
+    """The ranks (global numbering, in the group's order) of the process group over which the
+    sharded layouts in ``tree`` were cut: its ``ShardedParams`` and ``shard_state``'s
+    ``ShardedState``. None when it holds none that recorded one (made under ``fddp.vmap``).
+
+    Raises:
+        UsageValueError: if it holds layouts cut over different groups.
+    """
+    paths, leaves, _ = optree.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, _SHARDED)
+    )
+    found: dict[tuple[int, ...], str] = {}
+    for path, leaf in zip(paths, leaves):
+        ranks = None
+        if isinstance(leaf, ShardedParams):
+            ranks = leaf.layout.ranks
+        elif isinstance(leaf, ShardedState):
+            ranks = ranks_of(leaf.members)
+        if ranks is not None:
+            found.setdefault(ranks, path_str(path) or "<root>")
+    if len(found) > 1:
+        listed = "; ".join(f"{where} over ranks {ranks}" for ranks, where in found.items())
+        raise UsageValueError(
+            f"this tree holds sharded layouts cut over different process groups ({listed}); "
+            "a tree is saved, loaded or resharded over one group. Keep the layouts of each "
+            "group in a tree of their own."
+        )
+    return next(iter(found), None)
+
+
+def states(args: tuple) -> list[ShardedState]:
+    """The ``shard_state`` states in ``args``."""
+    leaves = optree.tree_leaves(args, is_leaf=lambda x: isinstance(x, ShardedState))
+    return [x for x in leaves if isinstance(x, ShardedState)]
+
+
+def holds_shards(args: tuple) -> bool:
+    """Whether ``args`` hold sharded parameters or optimizer state: each rank's graph then
+    updates its own shards, with nodes of its own, so the graphs are not compared."""
+    leaves = optree.tree_leaves(args, is_leaf=lambda x: isinstance(x, _SHARDED), none_is_leaf=True)
+    return any(isinstance(x, _SHARDED) for x in leaves)
+
+
+def sharded_positions(args: tuple) -> tuple[int, ...]:
+    """The positions of ``args`` that hold :class:`ShardedParams`."""
+    return tuple(i for i, a in enumerate(args) if isinstance(a, ShardedParams))
