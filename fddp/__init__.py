@@ -1,6 +1,6 @@
 """fddp: JAX-style functional data parallelism on PyTorch."""
 
-from fddp import data, nn, optim
+from fddp import data, nn, optim, remat_policies
 from fddp._accumulate import accumulate_gradients
 from fddp._checkpoint import load, load_sharded, save, save_sharded
 from fddp._collectives import (
@@ -30,6 +30,7 @@ from fddp._pending import block_until_ready
 from fddp._persistent_cache import cache_dir, set_cache_dir
 from fddp._powersgd import powersgd
 from fddp._recovery import Recovery, RecoverableStep, recoverable
+from fddp._remat import remat, remat_name
 from fddp._runtime import init, rank, replicate, shard, world_size
 from fddp._sharding import ShardedParams, full_params, full_state_dict, shard_params
 from fddp._timeline import plot_timeline
@@ -77,6 +78,9 @@ __all__ = [
     "psum_scatter",
     "rank",
     "recoverable",
+    "remat",
+    "remat_name",
+    "remat_policies",
     "replicate",
     "save",
     "save_sharded",

@@ -7,3 +7,7 @@ BUCKET_LEAVES = "fddp_leaves"  # on a bucket's launch: the paths of the leaves i
 PARAM_GATHER = "fddp_param_gather"  # "argument.bucket" of the nodes that gather sharded parameters
 PARAM_GATHER_KEPT = "fddp_param_gather_kept"  # the gathered bucket is kept for the whole step
 FORWARD = "fddp_forward"  # emitted by the function a gradient differentiates (not its backward)
+REMAT_REGION = "fddp_remat"  # (call token, its policy or None): emitted by a fddp.remat region
+REMAT_BLOCK = "fddp_remat_block"  # call token of a repeated block: a region of the step's policy
+REMAT_NAME = "fddp_remat_name"  # on the marker fddp.remat_name leaves: the value's name
+REMAT_RECOMPUTED = "fddp_remat_recomputed"  # a node recomputed in the backward: its region

@@ -32,6 +32,7 @@ from fddp._call_check import CallCheck
 from fddp._collectives import ProcessAxis, process_axis
 from fddp._invariant import Invariant
 from fddp._program_cache import ProgramCache
+from fddp._remat import Policy, checked_policy
 from fddp._replica_guard import (
     ReplicaGuard,
     describe_source,
@@ -365,6 +366,7 @@ def data_parallel(
     check_replicas: bool | Sequence[int] = ...,
     cache_size: int = ...,
     overlap_steps: bool = ...,
+    remat: Policy | None = ...,
     invariant: Invariant | int | None = ...,
 ) -> DataParallelStep: ...
 
@@ -385,6 +387,7 @@ def data_parallel(
     check_replicas: bool | Sequence[int] = ...,
     cache_size: int = ...,
     overlap_steps: bool = ...,
+    remat: Policy | None = ...,
     invariant: Invariant | int | None = ...,
 ) -> Callable[[Callable[..., Any]], DataParallelStep]: ...
 
@@ -404,6 +407,7 @@ def data_parallel(
     check_replicas: bool | Sequence[int] = True,
     cache_size: int = 16,
     overlap_steps: bool = False,
+    remat: Policy | None = None,
     invariant: Invariant | int | None = None,
 ) -> DataParallelStep | Callable[[Callable[..., Any]], DataParallelStep]:
     """Turn a pure training step into one replicated over the ranks of a process group.
@@ -463,6 +467,14 @@ def data_parallel(
             it moves half the launches to the end of the backward pass, which costs where
             the wire had been idle (README, "Overlap across steps"). Touching an output every
             step (``loss.item()``) makes the step wait for it. Needs ``compile=False``.
+        remat: a policy from ``fddp.remat_policies``: activations are recomputed in the
+            backward pass instead of kept from the forward (activation checkpointing). It
+            applies to the regions ``fddp.remat`` marks that have no policy of their own;
+            when the step marks none, each call of a model's repeated block (a child of a
+            ``ModuleList`` or ``Sequential`` with an identical sibling) is a region, and
+            without those each forward pass. Gradients are bitwise those without it;
+            ``schedule()`` lists what each region keeps and recomputes, and the bytes
+            (README, "Rematerialisation").
         invariant: a chunk size or :class:`fddp.Invariant`: bitwise the same results on any
             number of ranks, under ``fddp.vmap`` and with any bucket cap. ``value_and_grad``
             and ``grad`` inside the step compute the loss (a mean over examples) and its
@@ -500,6 +512,7 @@ def data_parallel(
         check_replicas=check_replicas,
         cache_size=cache_size,
         overlap_steps=overlap_steps,
+        remat=remat,
         invariant=invariant,
     )
     if step_fn is None:
@@ -567,6 +580,7 @@ def _data_parallel(
     check_replicas: bool | Sequence[int],
     cache_size: int,
     overlap_steps: bool,
+    remat: Policy | None = None,
     invariant: Invariant | int | None = None,
     built_with: Sequence[Line] = (),
 ) -> DataParallelStep:
@@ -585,7 +599,8 @@ def _data_parallel(
         fixed=None if bucket_cap_mb is None else int(bucket_cap_mb * 2**20),
         first=int(first_bucket_cap_mb * 2**20),
     )
-    options = _pipeline.Options(cap, comm_dtype, backend, overlap_steps)
+    policy = checked_policy(remat, "data_parallel(remat=...)")
+    options = _pipeline.Options(cap, comm_dtype, backend, overlap_steps, policy)
     donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
     more_axes = _checked_axes(axes or {}, axis_name, group)
     checked = (0,) if check_replicas is True else tuple(check_replicas or ())
@@ -607,6 +622,8 @@ def _data_parallel(
         ("option overlap_steps", repr(overlap_steps)),
         ("option axes", repr({n: dist.get_world_size(g) for n, g in more_axes.items()})),
     ]
+    if policy is not None:
+        described.append(("option remat", repr(policy)))
     chunked = _invariant.checked(invariant)
     if chunked is not None:
         if comm_dtype is not None:

@@ -13,6 +13,7 @@ from fddp._agree import find_difference, raise_everywhere
 from fddp._bucket_policy import CapPolicy, Choice
 from fddp._errors import ScheduleMismatchError
 from fddp._machine import Machine
+from fddp._remat import Policy
 from fddp._schedule import (
     _across_steps,
     _backend,
@@ -23,6 +24,7 @@ from fddp._schedule import (
     _param_gathers,
     _plan,
     _reinplace,
+    _remat,
     _replication,
 )
 from fddp._schedule._capture import Captured, capture
@@ -38,6 +40,7 @@ class Options:
     comm_dtype: torch.dtype | None
     backend: str  # one of BACKENDS
     overlap_steps: bool = False
+    remat: Policy | None = None  # the step's rematerialisation policy (fddp.remat_policies)
 
     @property
     def in_place(self) -> bool:
@@ -62,6 +65,8 @@ def schedule_graph(
     assert gm is not None  # a capture, not a loaded program
     graph = gm.graph
     _param_gathers.drop_unused_collectives(graph)
+    # Inductor draws random numbers its own way: there a random op's output is kept instead
+    remat = _remat.rematerialise(graph, options.remat, replay_rng=options.backend == "fx")
     output_dependencies, rank_bit = _replication.dependencies(graph)
     _overlap.hoist_gradient_sums(graph)
     members = _bucket.find_members(graph)
@@ -91,7 +96,7 @@ def schedule_graph(
     gm.recompile()  # the captured module is lazy (see _capture): this only marks it stale
     code = graph.python_code(root_module="self")
     plan = _plan.describe(graph, bucket_nodes, captured.seconds, captured.method)
-    plan = dataclasses.replace(plan, bucket_cap=str(cap) if members else "")
+    plan = dataclasses.replace(plan, bucket_cap=str(cap) if members else "", remat=remat)
     runner, generated = _backend.build(gm, options.backend, code)
     sequence = _plan.collective_sequence(graph)
     return Program(
@@ -157,6 +162,8 @@ def compile_step(
         with collector_paused():  # a capture and its passes allocate millions of objects
             compiled = cached() if cached is not None else None
             if compiled is None:
+                if options.remat is not None:  # the model's repeated blocks become regions
+                    step_fn = _remat.marking_blocks(step_fn)
                 captured, dynamo = capture(
                     step_fn, args, tensors, fused_backward=options.in_place, method=method
                 )

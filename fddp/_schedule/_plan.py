@@ -14,6 +14,7 @@ from fddp._annotations import BUCKET_LEAVES, LEAF_PATH
 from fddp._schedule import _param_gathers
 from fddp._schedule._bucket import BucketNodes
 from fddp._schedule._graph import is_collective, is_compute, nbytes
+from fddp._schedule._remat import RematPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,7 @@ class Plan:
     replication: tuple[tuple[str, str], ...] = ()  # (output leaf, "replicated" or why per-rank)
     bucket_cap: str = ""  # the cap and where it came from
     across_steps: str = ""  # with overlap_steps: what is deferred to the next call, and if it is
+    remat: RematPlan | None = None  # with rematerialisation: what is saved and recomputed
 
     @property
     def buckets(self) -> tuple[CollectivePlan, ...]:
@@ -97,6 +99,8 @@ class Plan:
             rows.append(self.bucket_cap)
         if self.across_steps:
             rows.append(self.across_steps)
+        if self.remat is not None:
+            rows.append(str(self.remat))
         if self.replication:
             rows.append(self._outputs_summary())
         return "\n".join(rows)
