@@ -33,7 +33,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from fddp import _model_calls, _runtime
 from fddp._errors import CaptureError, PrintWhileTracingWarning, UsageError
-from fddp._schedule import _backward_mode, _repeated
+from fddp._schedule import _backward_mode, _repeated, _torch_checkpoint
 from fddp._schedule._graph import remove_double_waits, storage
 from fddp._schedule._quick_record import QuickRecord
 
@@ -266,10 +266,11 @@ def lower_to_aten(
 
 
 def _quickly(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run with :class:`QuickRecord` on (inside a make_fx trace)."""
+    """``fn`` run with :class:`QuickRecord` on and ``torch.utils.checkpoint`` intercepted
+    (inside a make_fx trace)."""
 
     def run(*args: Any) -> Any:
-        with QuickRecord():
+        with QuickRecord(), _torch_checkpoint.intercepted():
             return fn(*args)
 
     return run

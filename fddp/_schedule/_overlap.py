@@ -10,7 +10,7 @@ from typing import cast
 import torch
 from torch import fx
 
-from fddp._annotations import BUCKET, PARAM_GATHER
+from fddp._annotations import BUCKET, PARAM_GATHER, REMAT_RECOMPUTED
 from fddp._schedule._graph import (
     alias_root,
     c10d,
@@ -226,15 +226,22 @@ def order_by_bucket(graph: fx.Graph) -> None:
     """Stable-sort nodes by the last bucket they need, respecting every dependency.
 
     Dependencies include in-place writes: a write comes after the earlier readers and writer of
-    the storage it writes, and later readers come after it.
+    the storage it writes, and later readers come after it. A node the remat pass recomputes
+    reads only forward values, but stays in the backward where that pass put it: it sorts no
+    earlier than the node before it (else a wait in the forward, such as a gather of sharded
+    parameters, would pull the recomputation back into the forward).
     """
     need = _buckets_needed(graph)
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     deps = dependencies(nodes)
     key: dict[fx.Node, int] = {}
+    before = NO_BUCKET
     for node in nodes:
         key[node] = max([need[node], *(key[d] for d in deps[node])])
+        if REMAT_RECOMPUTED in node.meta.get("custom", {}):
+            key[node] = max(key[node], before)
+        before = key[node]
     body = [n for n in nodes if n.op not in ("placeholder", "output")]
     body.sort(key=lambda n: (key[n], pos[n]))
     _reorder(nodes, body)
