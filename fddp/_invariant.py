@@ -306,39 +306,45 @@ class _KeyedRandomness(TorchFunctionMode):
         return input.copy_(out) if inplace else out
 
 
-def _exponents(chunks: list[list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per floating leaf, over chunks: the power of two above every magnitude, and whether
-    any value is not finite."""
+def _exponents(chunks: list[list[torch.Tensor]], bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per floating leaf, over chunks: the power of two above every magnitude (at least
+    ``bits - 126``, so that the scale ``2**(bits - e)`` is a float32), and whether any value
+    is not finite."""
     exps, bad = [], []
     for leaf_chunks in zip(*chunks):
         big = torch.stack([_amax(x) for x in leaf_chunks]).amax()
-        exps.append(torch.frexp(big).exponent.to(torch.int64))
+        exps.append(torch.frexp(big).exponent.to(torch.int64).clamp(min=bits - 126))
         bad.append((~torch.isfinite(big)).to(torch.int64))
     return torch.stack(exps), torch.stack(bad)
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude in ``x`` as float32, in one pass (NaN if any is NaN)."""
     if x.numel() == 0:
-        return torch.zeros((), dtype=x.dtype, device=x.device)
-    return x.detach().abs().amax()
+        return torch.zeros((), device=x.device)
+    low, high = torch.aminmax(x.detach())
+    return torch.maximum(high, -low).float()
 
 
-def _fixed(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """``round(x * 2**shift)`` as int64 (the product is exact in float64)."""
-    scaled = torch.ldexp(x.detach().to(torch.float64), shift.to(torch.float64))
-    return torch.round(torch.nan_to_num(scaled, nan=0.0, posinf=0.0, neginf=0.0)).to(torch.int64)
+def _fixed(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x * scale`` truncated to int64: the product, below ``2**bits`` in magnitude, is exact
+    in float32 (scale is a power of two), so only the fraction below the grid is dropped."""
+    x = x.detach()
+    if x.dtype not in (torch.float32, torch.float64):
+        x = x.float()  # float16 cannot hold the scaled values
+    return (x * scale.to(x.dtype)).to(torch.int64)
 
 
 def _quantized_sums(
-    chunks: list[list[torch.Tensor]], exps: torch.Tensor, bad: torch.Tensor, bits: int
+    chunks: list[list[torch.Tensor]], exps: torch.Tensor, bits: int
 ) -> list[torch.Tensor]:
     """Per floating leaf, the int64 sum over chunks of its fixed-point values."""
+    scales = torch.ldexp(torch.ones(len(exps), device=exps.device), (bits - exps).float())
     out = []
     for j, leaf_chunks in enumerate(zip(*chunks)):
-        shift = torch.where(bad[j] > 0, 0, bits - exps[j])
-        total = _fixed(leaf_chunks[0], shift)
+        total = _fixed(leaf_chunks[0], scales[j])
         for x in leaf_chunks[1:]:
-            total = total + _fixed(x, shift)
+            total = total + _fixed(x, scales[j])
         out.append(total)
     return out
 
@@ -351,11 +357,18 @@ def _means(
     count: int,
     bits: int,
 ) -> list[torch.Tensor]:
+    """Per leaf, the int64 sum as the mean of ``count`` values (NaN where one was not
+    finite), in the leaf's dtype: converted to float32 (float64 leaves: float64) and scaled
+    by ``2**(e - bits) / count``."""
+    factors = torch.ldexp(
+        torch.full((len(exps),), 1.0 / count, dtype=torch.float64, device=exps.device),
+        (exps - bits).to(torch.float64),
+    )
+    factors = torch.where(bad > 0, torch.nan, factors)
     out = []
     for j, (total, x) in enumerate(zip(sums, like)):
-        mean = torch.ldexp(total.to(torch.float64) / count, (exps[j] - bits).to(torch.float64))
-        mean = torch.where(bad[j] > 0, torch.nan, mean)
-        out.append(mean.to(x.dtype))
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        out.append((total.to(dtype) * factors[j].to(dtype)).to(x.dtype))
     return out
 
 
@@ -413,7 +426,8 @@ def _over_ranks(job: _Job, axis: Any) -> tuple[list[torch.Tensor], list[torch.Te
     chunks = job.chunk_results(job.tensors(), first, _seed(job))
     floats = [c[0] for c in chunks]
     ints = [c[1] for c in chunks]
-    exps, bad = _exponents(floats)
+    bits = job.invariant.fraction_bits
+    exps, bad = _exponents(floats, bits)
     int_max = _int_maxes(ints)
     shared = torch.cat([exps, bad, *(x.reshape(-1).to(torch.int64) for x in int_max)])
     if size > 1:
@@ -421,9 +435,9 @@ def _over_ranks(job: _Job, axis: Any) -> tuple[list[torch.Tensor], list[torch.Te
     n = len(exps)
     exps, bad = shared[:n], shared[n : 2 * n]
     int_out = _unpack_ints(shared[2 * n :], int_max)
-    sums = _quantized_sums(floats, exps, bad, job.invariant.fraction_bits)
+    sums = _quantized_sums(floats, exps, bits)
     sums = psum(sums, axis.name) if size > 1 else sums
-    return _means(sums, floats[0], exps, bad, total, job.invariant.fraction_bits), int_out
+    return _means(sums, floats[0], exps, bad, total, bits), int_out
 
 
 def _unpack_ints(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -467,9 +481,9 @@ class _OverReplicas(torch.autograd.Function):
             per_replica.append(job.chunk_results(mine, first, seed))
         floats = [c[0] for chunks in per_replica for c in chunks]
         ints = [c[1] for chunks in per_replica for c in chunks]
-        exps, bad = _exponents(floats)
         bits = job.invariant.fraction_bits
-        sums = _quantized_sums(floats, exps, bad, bits)
+        exps, bad = _exponents(floats, bits)
+        sums = _quantized_sums(floats, exps, bits)
         means = _means(sums, floats[0], exps, bad, total, bits)
         int_out = _int_maxes(ints)
         job.n_floats = len(means)
