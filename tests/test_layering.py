@@ -129,8 +129,10 @@ def test_every_module_is_in_exactly_one_layer():
         found = layer_of(module)
         where = path.relative_to(ROOT)
         if not found:
+            entry = entry_of(module)
+            folder = f" (or its folder `{entry.rpartition('/')[0]}/`)" if "/" in entry else ""
             problems.append(
-                f"{where} is in no layer: add `{entry_of(module)}` to the row of its layer in "
+                f"{where} is in no layer: add `{entry}`{folder} to the row of its layer in "
                 "docs/architecture.md's table (the layers its imports come from decide the "
                 "lowest it can sit in)"
             )
@@ -185,4 +187,7 @@ def test_no_import_circles():
 
     for module in sorted(graph):
         visit(module, [])
-    assert not circles, "import circles:\n" + "\n".join(circles)
+    assert not circles, (
+        "import circles (an import under `if TYPE_CHECKING:` or inside a function counts: move "
+        "what both need into a module below them):\n" + "\n".join(circles)
+    )
