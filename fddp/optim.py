@@ -53,8 +53,8 @@ from fddp._optim import (
     trace,
     warmup_cosine_decay_schedule,
 )
-from fddp._types import GradientTransformation
 from fddp._sharding import ShardedState, shard_state, state_bytes
+from fddp._types import GradientTransformation
 
 __all__ = [
     "ApplyIfFiniteState",
