@@ -206,7 +206,7 @@ def process_axis(
 ) -> ProcessAxis:
     """Describe ``group`` (default: the world) as an axis called ``name``.
 
-    ``traced`` axes issue one collective per leaf, annotated with its path, for the scheduler to
+    ``traced`` axes issue one collective per leaf, annotated with its path, for the compiler to
     bucket; eager ones pack each call's leaves into flat buckets themselves.
     """
     _runtime.ensure_group()
@@ -229,18 +229,18 @@ def named_axis(name: str) -> _axes.Axis:
 
 
 def _map_tensors(
-    tree: Any, what: str, axis: _axes.Axis, fn: Any, *, bucketed_by_scheduler: bool = False
+    tree: Any, what: str, axis: _axes.Axis, fn: Any, *, bucketed_by_compiler: bool = False
 ) -> Any:
     """Apply ``fn(list_of_leaves)`` to the tensor leaves of ``tree``.
 
-    For a collective the scheduler buckets (``bucketed_by_scheduler``) on a traced axis, each
-    leaf goes through ``fn`` alone inside an annotation naming its path, so the scheduler can
+    For a collective the compiler buckets (``bucketed_by_compiler``) on a traced axis, each
+    leaf goes through ``fn`` alone inside an annotation naming its path, so the compiler can
     group the per-leaf collectives and report which leaves each bucket holds.
     """
     leaves, spec = tensor_leaves(tree, what)
     if not leaves:  # nothing to reduce: the tree as it is (Dynamo may rebuild an empty
         return tree  # defaultdict as a dict)
-    if not (axis.traced and bucketed_by_scheduler):
+    if not (axis.traced and bucketed_by_compiler):
         return optree.tree_unflatten(spec, fn(leaves))
     out = []
     for path, leaf in zip(leaves_with_paths(tree)[0], leaves):
@@ -261,7 +261,7 @@ def psum(tree: Any, axis_name: str = DEFAULT_AXIS) -> Any:
     tensor([1., 1., 1.])
     """
     axis = named_axis(axis_name)
-    return _map_tensors(tree, "psum's tree", axis, axis.psum, bucketed_by_scheduler=True)
+    return _map_tensors(tree, "psum's tree", axis, axis.psum, bucketed_by_compiler=True)
 
 
 def pmean(tree: Any, axis_name: str = DEFAULT_AXIS) -> Any:
@@ -285,7 +285,7 @@ def pmean(tree: Any, axis_name: str = DEFAULT_AXIS) -> Any:
         "pmean's tree",
         axis,
         lambda xs: [y / n for y in axis.psum(xs)],
-        bucketed_by_scheduler=True,
+        bucketed_by_compiler=True,
     )
 
 
