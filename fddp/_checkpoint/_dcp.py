@@ -1,5 +1,4 @@
-"""A tree as torch.distributed.checkpoint's state dict: a key per leaf by path, a bucket's
-shard as a ``Shard(0)`` DTensor piece of the whole bucket, and back."""
+"""A tree as torch.distributed.checkpoint's state dict: a key per leaf, shards as DTensor pieces."""
 
 from __future__ import annotations
 
@@ -10,7 +9,8 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp._sharding import ShardedParams, ShardedState, bucket_piece
+from fddp._checkpoint._like import is_sharded
+from fddp._sharding import ShardedParams, bucket_piece
 from fddp._tree import path_str
 
 if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint pulls in
@@ -18,13 +18,9 @@ if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint pulls in
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
-__all__ = ["entries", "is_sharded", "mesh", "part", "rebuild"]
+__all__ = ["Entry", "entries", "mesh", "part", "rebuild"]
 
 Entry = tuple[str, Any, "tuple[int, ...] | None"]  # key, leaf, its piece of a bucket
-
-
-def is_sharded(x: Any) -> bool:
-    return isinstance(x, (ShardedState, ShardedParams))
 
 
 def entries(tree: Any, rank: int = 0) -> list[Entry]:

@@ -23,6 +23,8 @@ except ImportError:  # Windows: no flock, so no removal of orphaned temporary fi
 __all__ = [
     "HashingWriter",
     "create_temp",
+    "done",
+    "fsync_directory",
     "lock_shared",
     "os_errors",
     "remove_unlocked",
@@ -136,7 +138,7 @@ def replace_atomically(
             os.remove(tmp)
         fsync_directory(directory)  # the rename itself
     except BaseException as e:
-        if tmp is not None and not published:
+        if tmp is not None and (exclusive or not published):  # a link's source goes too
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
         if (
@@ -219,10 +221,12 @@ def done(tmp: str) -> None:
 
 
 def _lock(fd: int) -> None:
+    """Lock a new entry, waiting while a remover holds it: it takes an empty new entry for a
+    writer's, so it lets go at once without removing it."""
     if fcntl is not None:
         # Where locks are refused, other writers cannot take them either, nor this file.
         with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX)
 
 
 def remove_unlocked(

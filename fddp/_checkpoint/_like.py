@@ -9,7 +9,7 @@ import optree
 import torch
 
 from fddp._errors import UsageValueError
-from fddp._sharding import ShardedParams
+from fddp._sharding import ShardedParams, ShardedState
 from fddp._tree import path_str
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "check_structure",
     "flatten",
     "found",
+    "is_sharded",
     "layouts",
     "leaf_problems",
     "shorten",
@@ -27,6 +28,11 @@ __all__ = [
 
 SCALARS = (bool, int, float, str)
 _MAX_LISTED = 10
+
+
+def is_sharded(x: Any) -> bool:
+    """Whether ``x`` holds one rank's shards (of ``shard_state`` or ``shard_params``)."""
+    return isinstance(x, (ShardedState, ShardedParams))
 
 
 def flatten(tree: Any) -> tuple[list[str], list[Any], optree.PyTreeSpec]:

@@ -1,5 +1,4 @@
-"""``fddp.save_sharded`` and ``fddp.load_sharded``: every rank writes its shards with
-``torch.distributed.checkpoint`` into a new directory, published by a checksummed manifest."""
+"""save_sharded and load_sharded: every rank writes its shards, a checksummed manifest publishes."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from fddp import _machine, _pending
 from fddp._checkpoint import _format, _like, _rank0
 from fddp._errors import UsageValueError
-from fddp._sharding import ShardedParams, ShardedState
+from fddp._sharding import ShardedState
 from fddp._types import TensorTree
 
 __all__ = ["load", "save"]
@@ -101,7 +101,7 @@ def save(path: PathLike, tree: TensorTree, *, rank0_only: bool = True) -> None:
         "leaves": [leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves],
         "machine": _machine.recorded(),  # a resumed run's bucket caps are this run's
     }
-    if _like.found(tree, _is_sharded):
+    if _like.found(tree, _like.is_sharded):
         payload["per_rank"] = {"rank": _rank(), "world_size": _world_size()}
     distributed = rank0_only and dist.is_available() and dist.is_initialized()
     if not distributed or dist.get_world_size() == 1:
@@ -188,10 +188,6 @@ def load(path: PathLike, like: TensorTree | None = None) -> TensorTree:
     return optree.tree_unflatten(treespec, leaves)
 
 
-def _is_sharded(x: Any) -> bool:
-    return isinstance(x, (ShardedState, ShardedParams))
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
@@ -219,9 +215,9 @@ def _check_owner(path: str, per_rank: Any) -> None:
 def _refuse_sharded_state(tree: TensorTree) -> None:
     """Refuse a rank0_only save of sharded optimizer state: rank 0's file would hand rank 0's
     shards to every rank that loads it, and the parameters would drift apart unnoticed."""
-    accessors, leaves, _ = optree.tree_flatten_with_accessor(tree, is_leaf=_is_sharded)
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(tree, is_leaf=_like.is_sharded)
     for accessor, leaf in zip(accessors, leaves):
-        if _is_sharded(leaf):
+        if _like.is_sharded(leaf):
             what = (
                 "the state of fddp.optim.shard_state"
                 if isinstance(leaf, ShardedState)

@@ -1,5 +1,4 @@
-"""torch.distributed.checkpoint's file storage with fddp's file safety: a hashing writer, a
-verifying reader, allowlisted metadata, and DCP's errors raised as fddp's."""
+"""DCP's file storage with fddp's file safety: hashed writes, verified reads, safe metadata."""
 
 from __future__ import annotations
 
