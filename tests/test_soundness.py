@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import re
 import threading
 import time
 import warnings
@@ -268,7 +269,11 @@ def test_per_rank_metrics_are_allowed_and_the_schedule_shows_them(runs):
     replication = dict(ranks[0]["replication"])
     assert replication["[0]['0.weight']"] == "replicated"
     assert replication["[2]"].startswith("per-rank (from argument leaf [3]")
-    assert "outputs:" in ranks[0]["table"]
+    assert re.search(
+        r"^outputs: \d+ replicated, 1 per-rank: \[2\] \(from argument leaf \[3\]",
+        ranks[0]["table"],
+        re.M,
+    ), ranks[0]["table"]
 
 
 @pytest.mark.parametrize(
