@@ -10,7 +10,7 @@ import os
 import pickle
 import warnings
 from collections.abc import Generator, Iterator
-from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, cast
+from typing import Any, BinaryIO, NamedTuple, Protocol, cast
 
 import torch
 
@@ -18,10 +18,7 @@ from fddp import _agree, _runtime
 from fddp._checkpoint import _files, _format
 from fddp._errors import RankFailureError
 
-if TYPE_CHECKING:
-    from fddp._checkpoint._source import Source
-
-__all__ = ["MetadataUnpickler", "RefusedGlobal", "dcp", "errors", "one_process_quietly"]
+__all__ = ["MetadataUnpickler", "RefusedGlobal", "Source", "dcp", "errors", "one_process_quietly"]
 
 
 @contextlib.contextmanager
@@ -74,6 +71,19 @@ _METADATA_GLOBALS = {
     "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath"},
     "collections": {"OrderedDict"},
 }
+
+
+class Source(Protocol):
+    """What the reader needs of a checkpoint opened for reading (``_source.Source``)."""
+
+    path: str
+    data: str  # the data directory
+    metadata: Any  # DCP's, read safely
+
+    @property
+    def advice(self) -> str: ...
+
+    def verify(self, name: str) -> None: ...
 
 
 class RefusedGlobal(pickle.UnpicklingError):
