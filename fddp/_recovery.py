@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import gc
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +24,7 @@ from fddp._errors import RankFailureError
 from fddp._grad import value_and_grad
 from fddp._low_comm import LowCommState, describe
 from fddp._optim import apply_updates
-from fddp._sharding import ShardedState
+from fddp._zero import ShardedState
 from fddp._types import GradientTransformation
 
 _POLL_S = 0.005
@@ -109,6 +111,10 @@ class RecoverableStep:
             daemon=True,
         )
         self._beat.start()
+        # imported before the first group exists: its functions' default arguments hold the
+        # default group of the moment they are defined, which would keep its links open
+        import torch.distributed.nn.functional  # noqa: F401
+
         self._form_group()
 
     def close(self) -> None:
@@ -206,8 +212,11 @@ class RecoverableStep:
         another member had committed it; its result was broadcast into ``self._last``)."""
         start = time.monotonic()
         failed = self.generation
-        if dist.is_initialized():
-            dist.destroy_process_group()  # closes the links: peers still waiting fail at once
+        self._steps = {}  # the old group's steps, and through them its groups
+        for e in (error, error.__cause__, error.__context__):
+            if e is not None and e.__traceback__ is not None:
+                traceback.clear_frames(e.__traceback__)
+        _abandon_groups()
         roster = self._agree(failed)
         if self.uid not in roster:
             raise RankFailureError(
@@ -287,6 +296,21 @@ class RecoverableStep:
         proposal = ",".join(f"{u}:{self._store.get(f'{base}/in/{u}').decode()}" for u in seen)
         agreed = self._store.compare_set(roster_key, "", proposal).decode()
         return {int(u): int(c) for u, c in (item.split(":") for item in agreed.split(","))}
+
+
+def _abandon_groups() -> None:
+    """Abort every process group of this process and forget them: their links close, so a
+    peer still waiting in a collective on one of them fails at once instead of at its timeout
+    (``destroy_process_group`` alone leaves the links open while anything, such as the default
+    arguments of ``torch.distributed.nn.functional``, still holds the group)."""
+    if not dist.is_initialized():
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is None:
+        dist.destroy_process_group()
+    else:
+        abort()
+    gc.collect()  # the last reference to a gloo group closes its links
 
 
 def _own_client(store: dist.Store) -> dist.Store:
@@ -385,11 +409,13 @@ def _accumulating_step(
     vg = value_and_grad(loss_fn)
 
     def step(params: Any, opt_state: Any, batch: Any, weights: Any = None) -> Any:
-        chunks = optree.tree_map(lambda x: torch.tensor_split(x, k), batch)
+        leaves, spec = optree.tree_flatten(batch)
+        parts = [
+            torch.tensor_split(x, k) if isinstance(x, torch.Tensor) else [x] * k for x in leaves
+        ]
         total: Any = None
         for i in range(k):
-            chunk = optree.tree_map(lambda parts, i=i: parts[i], chunks, is_leaf=_is_tuple)
-            out = vg(params, chunk)
+            out = vg(params, optree.tree_unflatten(spec, [p[i] for p in parts]))
             if weighted:
                 out = optree.tree_map(lambda t, i=i: t * weights[i], out)
             total = out if total is None else optree.tree_map(torch.add, total, out)
@@ -399,10 +425,6 @@ def _accumulating_step(
 
     step.__qualname__ = "recoverable_step" if not weighted else "recoverable_weighted_step"
     return functools.wraps(loss_fn, assigned=("__module__",))(step)
-
-
-def _is_tuple(x: Any) -> bool:
-    return isinstance(x, tuple)
 
 
 def recoverable(

@@ -15,10 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-from tests._compare import assert_trees_close, assert_trees_equal
-from tests._dist import script_env
-from tests._recovery_scripts import common
+from _compare import assert_trees_close, assert_trees_equal
+from _dist import script_env
+from _recovery_scripts import common
 
 WORKER = Path(__file__).parent / "_recovery_scripts" / "worker.py"
 TIMEOUT_S = 6.0
