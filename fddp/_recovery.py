@@ -24,7 +24,7 @@ from fddp._errors import RankFailureError
 from fddp._grad import value_and_grad
 from fddp._low_comm import LowCommState, describe
 from fddp._optim import apply_updates
-from fddp._zero import ShardedState
+from fddp._sharding import ShardedState
 from fddp._types import GradientTransformation
 
 _POLL_S = 0.005
