@@ -620,10 +620,9 @@ def _data_parallel(
         ("option check_replicas", repr(checked)),
         ("option cache_size", repr(cache_size)),
         ("option overlap_steps", repr(overlap_steps)),
+        ("option remat", repr(policy)),
         ("option axes", repr({n: dist.get_world_size(g) for n, g in more_axes.items()})),
     ]
-    if policy is not None:
-        described.append(("option remat", repr(policy)))
     chunked = _invariant.checked(invariant)
     if chunked is not None:
         if comm_dtype is not None:

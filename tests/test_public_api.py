@@ -48,6 +48,9 @@ PUBLIC = {
     "psum_scatter",
     "rank",
     "recoverable",
+    "remat",
+    "remat_name",
+    "remat_policies",
     "replicate",
     "save",
     "save_sharded",
@@ -141,9 +144,24 @@ NN = {
 
 DATA = {"lockstep", "pad_rows", "shard_batches", "weighted_pmean"}
 
+REMAT_POLICIES = {
+    "Policy",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+    "everything_saveable",
+    "memory_budget",
+    "nothing_saveable",
+    "save_any_names_but_these",
+    "save_only_these_names",
+}
+
 
 def test_namespaces_for_model_helpers_and_uneven_data():
-    for module, names in ((fddp.nn, NN), (fddp.data, DATA)):
+    for module, names in (
+        (fddp.nn, NN),
+        (fddp.data, DATA),
+        (fddp.remat_policies, REMAT_POLICIES),
+    ):
         assert set(module.__all__) == names
         assert {n for n in vars(module) if not n.startswith("_")} == names
         for name in names:

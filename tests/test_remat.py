@@ -330,7 +330,19 @@ def _two_rank_policies(case: str) -> dict:
     return {"found": found, "plan": str(plan.remat) + plan.remat.table()}
 
 
-CHECKS = {case: functools.partial(_two_rank_policies, case) for case in CASES}
+def _ranks_with_other_policies() -> str:
+    """Rank 0 builds the step with remat, rank 1 without: both refuse to run it."""
+    step, args = transformer_case()
+    policy = P.nothing_saveable if torch.distributed.get_rank() == 0 else None
+    with pytest.raises(fddp.ScheduleMismatchError) as raised:
+        fddp.data_parallel(step, remat=policy)(*args)
+    return str(raised.value)
+
+
+CHECKS = {
+    **{case: functools.partial(_two_rank_policies, case) for case in CASES},
+    "other policies": _ranks_with_other_policies,
+}
 
 
 @pytest.fixture(scope="module")
@@ -349,3 +361,8 @@ def test_two_ranks_bitwise_and_one_plan(two_ranks, case):
             assert saved <= without, name
     assert per_rank[0]["plan"] == per_rank[1]["plan"]
     assert per_rank[0]["found"] == per_rank[1]["found"]
+
+
+def test_ranks_with_other_policies_refuse_to_run(two_ranks):
+    for message in two_ranks["other policies"]:
+        assert "remat" in message
