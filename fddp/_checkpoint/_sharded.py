@@ -89,46 +89,26 @@ def save_sharded(
     n, group = _world(group)
     rank = dist.get_rank(group) if group is not None else 0
     tree = _pending.finished(tree)
-    entries = _dcp.entries(tree, rank)
     start = time.monotonic()
     error: BaseException | None = None
     state_dict: dict[str, Any] = {}
+    data, fd = None, None
     try:
-        _check_cut(tree, group, given, _SAVE)
-        for key, leaf, _ in entries:
-            _like.check_savable(key, leaf, _SAVE)
-        mesh = _dcp.mesh(group, entries) if n > 1 else None
-        for key, leaf, piece in entries:
-            value = leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
-            state_dict[key] = value if piece is None else _dcp.part(value, piece, mesh)
+        state_dict = _state_dict(tree, rank, group, given, n)
+        if rank == 0:
+            data, fd = _new_data_directory(path)
     except Exception as e:  # raised on every rank by gather_or_raise
         error = e
-    data, fd = None, None
-    if rank == 0 and error is None:
-        try:
-            os.makedirs(path, exist_ok=True)
-            _manifest.remove_unpublished(path)
-            data, fd = _files.create_temp(os.path.join(path, _manifest.DATA_PREFIX), directory=True)
-        except OSError as e:
-            error = _files.write_error(e, path)
+    replaced = None
     try:
         with _runtime.peer_failures(_SAVE, start):
             # Every rank's leaves are fine and rank 0 made the directory: all write into it.
             name = _agree.gather_or_raise(error, data and os.path.basename(data), group)[0]
-            writer = _storage.dcp().Writer(os.path.join(path, name))
-            with _storage.one_process_quietly(n), _storage.errors(path, rank, writing=True):
-                _storage.dcp().api.save(
-                    state_dict, storage_writer=writer, process_group=group, no_dist=n == 1
-                )
-            # Every rank wrote its files (DCP raises on every rank if one failed): rank 0 lists
-            # them all in the manifest, publishes it, and tells the others whether it could.
-            files: dict[str, dict[str, Any]] = {}
-            for written in _agree.gather_or_raise(None, writer.files(), group):
-                files.update(written)
-            published, replaced = None, None
-            if rank == 0:
+            files, named = _write(path, name, state_dict, group, n, rank)
+            published: BaseException | None = None
+            if rank == 0:  # and tells the others whether it could
                 try:
-                    assert fd is not None and {METADATA, *writer.referenced} <= set(files)
+                    assert fd is not None and {METADATA, *named} <= set(files)
                     os.fsync(fd)  # the data directory's entries, before the manifest names it
                     replaced = _manifest.published(path)
                     record = {"group_ranks": list(_ranks(group)), "layouts": _like.layouts(tree)}
@@ -137,21 +117,81 @@ def save_sharded(
                     published = e
             _agree.raise_everywhere(published, group)
     except BaseException as e:
-        if data is not None and _manifest.published(path) != os.path.basename(data):
-            shutil.rmtree(data, ignore_errors=True)
-        elif isinstance(e, RankFailureError):
-            _manifest.remove_unpublished(path)  # a dead rank 0's directory, unlocked now
+        _discard(path, data, e)
         raise
     finally:
         if fd is not None:
             os.close(fd)
             _files.done(cast(str, data))
     if rank == 0:
-        _manifest.remove_unpublished(path, replaced)  # the previous one, unless a load holds it
-        for legacy in os.listdir(path):
-            if re.fullmatch(_LEGACY, legacy):
-                with contextlib.suppress(OSError):
-                    os.remove(os.path.join(path, legacy))
+        _remove_replaced(path, replaced)
+
+
+def _state_dict(
+    tree: TensorTree, rank: int, group: dist.ProcessGroup | None, given: bool, n: int
+) -> dict[str, Any]:
+    """DCP's state dict of this rank's part of ``tree``, its leaves checked first."""
+    _check_cut(tree, group, given, _SAVE)
+    entries = _dcp.entries(tree, rank)
+    for key, leaf, _ in entries:
+        _like.check_savable(key, leaf, _SAVE)
+    mesh = _dcp.mesh(group, entries) if n > 1 else None
+    state_dict = {}
+    for key, leaf, piece in entries:
+        value = leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
+        state_dict[key] = value if piece is None else _dcp.part(value, piece, mesh)
+    return state_dict
+
+
+def _new_data_directory(path: str) -> tuple[str, int]:
+    """A new data directory in checkpoint directory ``path`` (made if missing), locked."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        _manifest.remove_unpublished(path)
+        return _files.create_temp(os.path.join(path, _manifest.DATA_PREFIX), directory=True)
+    except OSError as e:
+        raise _files.write_error(e, path) from e
+
+
+def _write(
+    path: str,
+    name: str,
+    state_dict: dict[str, Any],
+    group: dist.ProcessGroup | None,
+    n: int,
+    rank: int,
+) -> tuple[dict[str, dict[str, Any]], set[str]]:
+    """Every rank writes its part into data directory ``name`` (DCP raises on every rank if
+    one failed); every rank's files with their sizes and SHA-256, and the files DCP's
+    metadata names (on rank 0, which writes it)."""
+    writer = _storage.dcp().Writer(os.path.join(path, name))
+    with _storage.one_process_quietly(n), _storage.errors(path, rank, writing=True):
+        _storage.dcp().api.save(
+            state_dict, storage_writer=writer, process_group=group, no_dist=n == 1
+        )
+    files: dict[str, dict[str, Any]] = {}
+    for written in _agree.gather_or_raise(None, writer.files(), group):
+        files.update(written)
+    return files, writer.referenced
+
+
+def _discard(path: str, data: str | None, error: BaseException) -> None:
+    """After a failed save: remove its data directory ``data`` (rank 0's) unless published;
+    after a rank failure, the one a dead rank 0 left, unlocked now."""
+    if data is not None and _manifest.published(path) != os.path.basename(data):
+        shutil.rmtree(data, ignore_errors=True)
+    elif isinstance(error, RankFailureError):
+        _manifest.remove_unpublished(path)
+
+
+def _remove_replaced(path: str, replaced: str | None) -> None:
+    """Remove the data directory a save replaced (unless a load holds it) and the files of a
+    plain DCP checkpoint of an older fddp."""
+    _manifest.remove_unpublished(path, replaced)
+    for legacy in os.listdir(path):
+        if re.fullmatch(_LEGACY, legacy):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(path, legacy))
 
 
 def load_sharded(
@@ -204,6 +244,30 @@ def load_sharded(
     n, group = _world(group)
     rank = dist.get_rank(group) if group is not None else 0
     entries = _dcp.entries(like, rank)
+    with _runtime.peer_failures(_LOAD):
+        source = _open(path, like, entries, group, given, rank)
+        try:
+            values = _read(path, source, entries, group, n, rank)
+        finally:
+            source.close()
+    _machine.restore(source.machine, group)
+    problems = []
+    for (key, leaf, _), value in zip(entries, values):
+        problems += _like.leaf_problems(key, value, leaf, "checkpoint")
+    _like.check_leaves(path, problems, _LIKE_ADVICE)
+    return _dcp.rebuild(like, iter(values))
+
+
+def _open(
+    path: str,
+    like: TensorTree,
+    entries: list[_dcp.Entry],
+    group: dist.ProcessGroup | None,
+    given: bool,
+    rank: int,
+) -> Source:
+    """The save rank 0 opened, opened on every rank and checked against ``like``; an error on
+    any rank is raised on every rank."""
     source: Source | None = None
     error: BaseException | None = None
     try:
@@ -213,49 +277,54 @@ def load_sharded(
     except Exception as e:  # raised on every rank by gather_or_raise
         error = e
     try:
-        with _runtime.peer_failures(_LOAD):
-            manifest = None if source is None else source.manifest
-            manifest = _agree.gather_or_raise(error, manifest, group)[0]
-            try:
-                if source is None:
-                    source = Source.chosen(path, manifest)
-                saved = None if manifest is None else manifest.get("layouts")
-                broken = (_manifest.MANIFEST, _manifest.BROKEN_ADVICE)
-                _like.check_layouts(path, saved, like, _LIKE_ADVICE, broken)
-                source.check(entries, _LIKE_ADVICE)
-            except Exception as e:  # raised on every rank by raise_everywhere
-                error = e
-            _agree.raise_everywhere(error, group)
-            assert source is not None
-            mesh = _dcp.mesh(group, entries) if n > 1 else None
-            state_dict: dict[str, Any] = {}
-            buffers: dict[str, torch.Tensor] = {}
-            for key, leaf, piece in entries:
-                if piece is None:
-                    empty = torch.empty_like(leaf) if isinstance(leaf, torch.Tensor) else leaf
-                    state_dict[key] = empty
-                    continue
-                buffers[key] = torch.zeros_like(leaf)  # the padding stays zero
-                state_dict[key] = _dcp.part(buffers[key], piece, mesh)
-            planner = _storage.dcp().Planner(source)
-            with _storage.one_process_quietly(n), _storage.errors(path, rank, writing=False):
-                _storage.dcp().api.load(
-                    state_dict,
-                    storage_reader=_storage.dcp().Reader(source),
-                    planner=planner,
-                    process_group=group,
-                    no_dist=n == 1,
-                )
-    finally:
+        manifest = None if source is None else source.manifest
+        manifest = _agree.gather_or_raise(error, manifest, group)[0]
+        try:
+            if source is None:
+                source = Source.chosen(path, manifest)
+            saved = None if manifest is None else manifest.get("layouts")
+            broken = (_manifest.MANIFEST, _manifest.BROKEN_ADVICE)
+            _like.check_layouts(path, saved, like, _LIKE_ADVICE, broken)
+            source.check(entries, _LIKE_ADVICE)
+        except Exception as e:  # raised on every rank by raise_everywhere
+            error = e
+        _agree.raise_everywhere(error, group)
+    except BaseException:
         if source is not None:
             source.close()
-    _machine.restore(source.machine, group)
-    values = [buffers.get(key, planner.values.get(key, state_dict[key])) for key, _, _ in entries]
-    problems = []
-    for (key, leaf, _), value in zip(entries, values):
-        problems += _like.leaf_problems(key, value, leaf, "checkpoint")
-    _like.check_leaves(path, problems, _LIKE_ADVICE)
-    return _dcp.rebuild(like, iter(values))
+        raise
+    assert source is not None
+    return source
+
+
+def _read(
+    path: str,
+    source: Source,
+    entries: list[_dcp.Entry],
+    group: dist.ProcessGroup | None,
+    n: int,
+    rank: int,
+) -> list[Any]:
+    """Every rank reads its part of each leaf (DCP reshards); the leaves in ``entries`` order."""
+    mesh = _dcp.mesh(group, entries) if n > 1 else None
+    state_dict: dict[str, Any] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    for key, leaf, piece in entries:
+        if piece is None:
+            state_dict[key] = torch.empty_like(leaf) if isinstance(leaf, torch.Tensor) else leaf
+            continue
+        buffers[key] = torch.zeros_like(leaf)  # the padding stays zero
+        state_dict[key] = _dcp.part(buffers[key], piece, mesh)
+    planner = _storage.dcp().Planner(source)
+    with _storage.one_process_quietly(n), _storage.errors(path, rank, writing=False):
+        _storage.dcp().api.load(
+            state_dict,
+            storage_reader=_storage.dcp().Reader(source),
+            planner=planner,
+            process_group=group,
+            no_dist=n == 1,
+        )
+    return [buffers.get(key, planner.values.get(key, state_dict[key])) for key, _, _ in entries]
 
 
 def _world(group: dist.ProcessGroup | None) -> tuple[int, dist.ProcessGroup | None]:
