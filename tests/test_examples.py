@@ -50,6 +50,7 @@ RUNS = {
         ],
         2,
     ),
+    "train_remat": ("train_remat.py", ["--small"], 2),
     "torch_compile": ("torch_compile.py", ["--steps", "3", "--hidden", "16"], 1),
     "per_example_clipping": ("per_example_clipping.py", ["--steps", "30", "--batch", "8"], 2),
     "ensemble": ("ensemble.py", ["--steps", "30", "--members", "3", "--hidden", "16"], 1),
@@ -142,6 +143,24 @@ def test_train_fully_sharded_two_ranks(examples) -> None:
     assert re.search(r"schedule \(rank 0\): [1-9]\d* parameter gathers", output)
     first = number(r"rank 0: step 1: loss ([\d.]+)", output)
     assert math.isclose(first, math.log(64), rel_tol=0.1)  # random tokens: 4.18 vs ln 64 = 4.16
+
+
+def test_train_remat_two_ranks(examples) -> None:
+    """--small: 2 blocks over 256 tokens (the default, 16 blocks over 8,192 tokens, needs
+    26 GiB for the two ranks without remat and minutes a step)."""
+    output = run_example(examples, "train_remat")
+    for rank in range(2):
+        without = number(rf"rank {rank}: saved for backward \(the plan\): ([\d.]+) MiB", output)
+        kept = number(
+            rf"rank {rank}: saved for backward .* MiB without remat, ([\d.]+) MiB", output
+        )
+        assert kept < without / 4  # each block keeps its input, not its attention matrices
+        assert f"rank {rank}: done: 2 steps fully sharded with remat" in output
+    first = number(r"rank 0: step 1: loss ([\d.]+)", output)
+    assert math.isclose(first, math.log(256), rel_tol=0.1)  # random tokens over 256
+    assert number(r"rank 1: step 2: loss ([\d.]+)", output) == number(
+        r"rank 0: step 2: loss ([\d.]+)", output
+    )  # the pmean'd loss, the same on both ranks
 
 
 def test_torch_compile_one_rank(examples) -> None:
