@@ -214,3 +214,21 @@ def test_errors_name_the_fix():
         fddp.data_parallel(sdpa_step, invariant=1, trace=False)(
             torch.tensor(1.0), torch.randn(2, 3, 4)
         )
+
+
+def test_pmean_passes_the_reduced_values_through_and_refuses_a_mix():
+    def loss_fn(w, batch):
+        return (batch @ w).square().mean()
+
+    def step(w, batch):
+        loss, g = fddp.value_and_grad(loss_fn)(w, batch)
+        assert fddp.pmean(g) is g and fddp.pmean(loss) is loss
+        return fddp.pmean({"g": g, "other": g * 2})
+
+    batch = torch.randn(4, 3)
+    with pytest.raises(UsageValueError, match="mixes values"):
+        fddp.data_parallel(step, invariant=2, trace=False)(torch.ones(3), batch)
+    with pytest.raises(UsageValueError, match="chunk_size=0"):
+        fddp.data_parallel(step, invariant=0)
+    with pytest.raises(TypeError, match=r"fddp\.Invariant"):
+        fddp.data_parallel(step, invariant=2.0)
