@@ -14,6 +14,16 @@ _EXAMPLE_HEADING = re.compile(r"^(\s*)Example:\s*$", re.M)
 _ROLE = re.compile(r":(?:func|class|data|meth|attr|mod|exc|obj):`~?([^`]+)`")
 # A doctest at the left margin, outside any section: Markdown would read ">>>" as quotes.
 _BARE_DOCTEST = re.compile(r"^>>> .*(?:\n(?!\s*$).*)*", re.M)
+# An RST simple table of two columns (borders of "=" runs): a Markdown table.
+_RST_TABLE = re.compile(r"^(=+) +=+\n((?:.*\n)*?)=+ +=+$", re.M)
+
+
+def _markdown_table(m: re.Match[str]) -> str:
+    cut = len(m.group(1)) + 1
+    rows = [(line[:cut].strip(), line[cut:].strip()) for line in m.group(2).splitlines()]
+    return "\n".join(["| | |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows)])
+
+
 # A NamedTuple's constructor arguments are its fields: its "Args:" are attributes.
 _ARGS_HEADING = re.compile(r"^(\s*)Args:\s*$", re.M)
 # "a, b, c: as for ..." in Args: one entry per parameter, each with the shared description.
@@ -28,6 +38,7 @@ class FddpDocstrings(griffe.Extension):
             return
         text = _EXAMPLE_HEADING.sub(r"\1Examples:", obj.docstring.value)
         text = _ROLE.sub(r"`\1`", text)
+        text = _RST_TABLE.sub(_markdown_table, text)
         text = _BARE_DOCTEST.sub(lambda m: f"```pycon\n{m.group(0)}\n```", text)
         if isinstance(obj, griffe.Function):
             params = {p.name for p in obj.parameters}

@@ -19,7 +19,7 @@ import fddp
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOP = ROOT / "docs" / "guides" / "ddp_loop.py"
-NAMESPACES = ["fddp", "fddp.optim", "fddp.nn", "fddp.data", "fddp.typing"]
+NAMESPACES = ["fddp", "fddp.optim", "fddp.nn", "fddp.data", "fddp.typing", "fddp.remat_policies"]
 
 
 def _unavailable(reason: str) -> None:
