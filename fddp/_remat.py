@@ -27,6 +27,8 @@ class _PerCall(Exception):
 
 
 def _refuse_replay() -> None:
+    if torch.compiler.is_compiling():  # a Dynamo capture, which replays no block
+        return
     if threading.current_thread().name == _TEMPLATE_THREAD:
         raise _PerCall("a remat region or name inside a repeated block")
 
@@ -169,10 +171,13 @@ def remat(fn: _F, *, policy: Policy | None = None) -> _F:
     if not callable(fn):
         raise UsageTypeError(f"fddp.remat wraps a function; got {type(fn).__name__}.")
 
+    # plain values: Dynamo's capture cannot put a dataclass into a node's annotations
+    fields = None if checked is None else dataclasses.astuple(checked)
+
     @functools.wraps(fn)
     def region(*args: Any, **kwargs: Any) -> Any:
         _refuse_replay()
-        with fx_traceback.annotate({REMAT_REGION: (next(_CALLS), checked)}):
+        with fx_traceback.annotate({REMAT_REGION: (next(_CALLS), fields)}):
             return fn(*args, **kwargs)
 
     return region  # type: ignore[return-value]

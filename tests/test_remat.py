@@ -269,6 +269,17 @@ def test_marked_regions_take_their_own_policy_or_the_steps():
     assert _same(eager, reference)
     assert torch.equal(second(w1, args[1]), layer(w1, args[1]))
 
+    def dynamo_step(ws, x):
+        if not torch.compiler.is_compiling():  # make_fx cannot read this: Dynamo captures
+            x = x * (x.sum() > 0).item()
+        return step(ws, x)
+
+    pstep = fddp.data_parallel(dynamo_step, remat=P.nothing_saveable)
+    assert _same(pstep(*args), reference)
+    plan = pstep.schedule(*args)
+    assert plan.captured_with == "dynamo"
+    assert [r.policy for r in plan.remat.regions] == ["everything_saveable", "nothing_saveable"]
+
 
 def test_no_policy_and_no_region_leaves_the_graph_as_it_was(monkeypatch):
     """Without a policy or a region the pass only removes remat_name's markers: the graph is

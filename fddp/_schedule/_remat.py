@@ -34,6 +34,7 @@ _BATCHED_DOTS = {
     _aten._scaled_dot_product_cudnn_attention.default,
 }
 _BATCH_NORM = _aten.native_batch_norm.default
+_REGION_KEYS = (FORWARD, REMAT_REGION, REMAT_BLOCK)  # what a recomputed copy does not carry
 _SAVE_RNG = rng_prims.run_and_save_rng_state
 _REPLAY_RNG = rng_prims.run_with_rng_state
 
@@ -86,7 +87,7 @@ class RematPlan:
             f"{self.random}"
         ]
         for r in self.regions:
-            ops = collections.Counter(self.short(op) for op in r.recomputed)
+            ops = collections.Counter(self._short(op) for op in r.recomputed)
             common = ", ".join(f"{op} x{n}" if n > 1 else op for op, n in ops.most_common(6))
             more = f" (+{len(ops) - 6} kinds)" if len(ops) > 6 else ""
             rows.append(
@@ -104,11 +105,11 @@ class RematPlan:
             for v in r.saved:
                 shape = "x".join(map(str, v.shape)) or "scalar"
                 rows.append(f"  {v.name:<28} {v.kind:<6} {shape:<18} {v.dtype:<9} {v.nbytes:>12}")
-            rows.append(f"  recomputed: {', '.join(self.short(op) for op in r.recomputed)}")
+            rows.append(f"  recomputed: {', '.join(self._short(op) for op in r.recomputed)}")
         return "\n".join(rows)
 
     @staticmethod
-    def short(op: str) -> str:
+    def _short(op: str) -> str:
         return op.removeprefix("aten.").removesuffix(".default")
 
 
@@ -200,9 +201,9 @@ def _regions(graph: fx.Graph, step_policy: Policy | None) -> list[_Region]:
     for node in forward:
         tag = _custom(node).get(REMAT_REGION)
         if tag is not None:
-            token, policy = tag
+            token, fields = tag
             marked.setdefault(token, []).append(node)
-            policies[token] = policy
+            policies[token] = None if fields is None else Policy(*fields)
     if marked:
         return [
             _Region(nodes, policies[t] or step_policy or _remat.nothing_saveable, "fddp.remat")
@@ -415,7 +416,6 @@ def _save_rng_state(
     return state, op, args, kwargs
 
 
-_REGION_KEYS = (FORWARD, REMAT_REGION, REMAT_BLOCK)
 # ---- the pass ----
 
 
@@ -483,10 +483,11 @@ def _describe(
     for node in region.nodes:
         if _late_users(node, ends[node]):
             add(node, "kept")
+    states = {c.args[0] for c in copies.values() if c.target is _REPLAY_RNG}
     for copy in copies.values():
         for a in copy.all_input_nodes:
             if a not in recomputed:
-                add(a, "kept" if a in members or a.target is operator.getitem else "input")
+                add(a, "kept" if a in members or a in states else "input")
     ops = tuple(
         str(c.args[1]) if c.target is _REPLAY_RNG else str(c.target)
         for c in copies.values()
@@ -637,6 +638,8 @@ def marking_blocks(step_fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(step_fn)
     def step(*args: Any) -> Any:
+        if torch.compiler.is_compiling():  # Dynamo's capture: each forward pass is a region
+            return step_fn(*args)
         with _model_calls.watching(functools.partial(_marking, _model_calls._HOOK.get())):
             return step_fn(*args)
 
