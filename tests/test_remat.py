@@ -325,10 +325,17 @@ def test_bad_policies_name_the_fix():
         fddp.data_parallel(outside).schedule(w, torch.randn(2, 4))
 
 
-def test_budget_below_the_inputs_is_an_error():
+def test_budget_below_the_inputs_or_two_budgets_are_errors():
     step, args = transformer_case()
     with pytest.raises(ValueError, match="Raise the budget"):
         fddp.data_parallel(step, remat=P.memory_budget(bytes=10)).schedule(*args)
+    halves = [fddp.remat(torch.tanh, policy=P.memory_budget(fraction=f)) for f in (0.5, 0.6)]
+
+    def two_budgets(w, x):
+        return fddp.grad(lambda w: halves[1](halves[0](x @ w)).sum())(w)
+
+    with pytest.raises(ValueError, match="a budget is the step's"):
+        fddp.data_parallel(two_budgets).schedule(torch.ones(3, 3), torch.ones(2, 3))
 
 
 # ---- two gloo ranks: one spawn for every check ----

@@ -549,6 +549,13 @@ def _budget_nodes(
     if not budgeted:
         return set()
     policy = budgeted[0].policy
+    if any(r.policy != policy for r in budgeted):
+        raise UsageValueError(
+            f"remat: regions with different memory budgets ({policy!r} and "
+            f"{next(r.policy for r in budgeted if r.policy != policy)!r}); a budget is the "
+            "step's: give the step remat=memory_budget(...) and leave the regions' policy "
+            "unset, or give them one budget."
+        )
     target = policy.budget_bytes if policy.fraction is None else policy.fraction * without
     assert target is not None
     by_storage: dict[int, list[fx.Node]] = collections.defaultdict(list)
