@@ -571,19 +571,14 @@ def _budget_nodes(
         nodes = by_storage[key]
         cost = sum(_seconds(n) for n in nodes)
         size = max(_storage_bytes(_tensor(n)) for n in nodes)  # type: ignore[arg-type]
-        units.append((cost / max(size, 1), min(nodes), nodes))
+        units.append((cost / max(size, 1), min(nodes), nodes, size))
     units.sort(key=lambda u: (u[0], u[1]))
+    predict = _Prediction(graph, regions, ends, names, candidates, replay_rng)
 
     def saved_with(k: int, skipped: frozenset[int] = frozenset()) -> int:
-        chosen = {n for i, (_, _, nodes) in enumerate(units[:k]) if i not in skipped for n in nodes}
-        choices = []
-        for region in regions:
-            if region.policy.kind == "memory_budget":
-                saveable: Callable[[fx.Node], bool] = lambda n: n in candidates - chosen
-            else:
-                saveable = functools.partial(_saveable, policy=region.policy, names=names)
-            choices.append(_choose(region, ends, saveable, replay_rng))
-        return _predicted_saved_bytes(graph, choices, ends)
+        return predict.saved_bytes(
+            {n for i, unit in enumerate(units[:k]) if i not in skipped for n in unit[2]}
+        )
 
     low, high = 0, len(units)
     if saved_with(high) > target:
@@ -603,36 +598,78 @@ def _budget_nodes(
     # the last one chosen may have freed more than needed: keep again, dearest first, those
     # the budget still has room for
     skipped: frozenset[int] = frozenset()
+    room = target - saved_with(low)
     for i in reversed(range(low)):
-        if saved_with(low, skipped | {i}) <= target:
+        if units[i][3] <= room and saved_with(low, skipped | {i}) <= target:
             skipped |= {i}
-    chosen = {n for i, (_, _, nodes) in enumerate(units[:low]) if i not in skipped for n in nodes}
+            room = target - saved_with(low, skipped)
+    chosen = {n for i, unit in enumerate(units[:low]) if i not in skipped for n in unit[2]}
     return chosen | ({n for r in budgeted for n in r.nodes} - candidates)
 
 
-def _predicted_saved_bytes(
-    graph: fx.Graph, choices: list[_Choice], ends: dict[fx.Node, fx.Node]
-) -> int:
-    """:func:`saved_bytes` of the graph these choices would make, without making it."""
-    needed = {n for c in choices for n in c.needed}
-    recompute = {n for c in choices for n in c.recompute}
-    arguments = {
-        storage(t) for n in graph.nodes if n.op == "placeholder" if (t := _tensor(n)) is not None
-    }
-    found: dict[int, int] = {}
-    for run in forward_runs(graph):
-        end = run[-1]
-        for node in run:
+class _Prediction:
+    """:func:`saved_bytes` of the graph a budget's choice would make, without making it:
+    each region's part computed once per choice within it."""
+
+    def __init__(
+        self,
+        graph: fx.Graph,
+        regions: list[_Region],
+        ends: dict[fx.Node, fx.Node],
+        names: dict[fx.Node, set[str]],
+        candidates: set[fx.Node],
+        replay_rng: bool,
+    ) -> None:
+        self.regions, self.ends, self.replay_rng = regions, ends, replay_rng
+        self.candidates = candidates
+        self.arguments = {
+            storage(t)
+            for n in graph.nodes
+            if n.op == "placeholder"
+            if (t := _tensor(n)) is not None
+        }
+        members = {n for r in regions for n in r.nodes}
+        self.fixed: dict[Any, int] = {}  # what forward nodes outside budget regions keep
+        for run in forward_runs(graph):
+            for node in run:
+                t = _tensor(node)
+                if node not in members and t is not None and _late_users(node, run[-1]):
+                    self.fixed[storage(t)] = _storage_bytes(t)
+        for region in regions:
+            if region.policy.kind != "memory_budget":
+                saveable = functools.partial(_saveable, policy=region.policy, names=names)
+                self.fixed.update(self._kept(_choose(region, ends, saveable, replay_rng), region))
+        self.memo: dict[tuple[int, frozenset[fx.Node]], dict[Any, int]] = {}
+
+    def _kept(self, choice: _Choice, region: _Region) -> dict[Any, int]:
+        found: dict[Any, int] = {}
+        needed = set(choice.needed)
+        recompute = set(choice.recompute)
+        for node in region.nodes:
             t = _tensor(node)
-            if t is not None and node not in needed and _late_users(node, end):
+            if t is not None and node not in needed and _late_users(node, self.ends[node]):
                 found[storage(t)] = _storage_bytes(t)
-    for node in recompute:
-        for a in node.all_input_nodes:
-            t = _tensor(a)
-            if t is not None and a not in recompute:
-                found[storage(t)] = _storage_bytes(t)
-    states = sum(_storage_bytes(_rng_state_value(n)) for n in recompute if _is_random(n))
-    return states + sum(b for k, b in found.items() if k not in arguments)
+        for node in choice.recompute:
+            if _is_random(node):
+                found[("generator state", node)] = _storage_bytes(_rng_state_value(node))
+            for a in node.all_input_nodes:
+                t = _tensor(a)
+                if t is not None and a not in recompute:
+                    found[storage(t)] = _storage_bytes(t)
+        return found
+
+    def saved_bytes(self, chosen: set[fx.Node]) -> int:
+        found = dict(self.fixed)
+        for i, region in enumerate(self.regions):
+            if region.policy.kind != "memory_budget":
+                continue
+            mine = frozenset(n for n in region.nodes if n in chosen)
+            if (i, mine) not in self.memo:
+                keep = self.candidates - mine
+                choice = _choose(region, self.ends, keep.__contains__, self.replay_rng)
+                self.memo[i, mine] = self._kept(choice, region)
+            found.update(self.memo[i, mine])
+        return sum(b for k, b in found.items() if k not in self.arguments)
 
 
 # ---- the step policy's default regions: the model's repeated blocks ----
