@@ -160,6 +160,9 @@ def summarize(name: str, ranks: list[dict]) -> dict:
         "plain_ms": plain * 1e3,
         "recoverable_ms": recov * 1e3,
         "overhead_pct": (recov / plain - 1) * 100,
+        "pair_ratio_median": statistics.median(
+            b / a for r in ranks for a, b in zip(r["plain_s"], r["recoverable_s"])
+        ),
         "kill_to_commit_s": max(r["kill_to_commit_s"] for r in ranks),
         "agree_and_regroup_s": max(r["agree_and_regroup_s"] for r in ranks),
         "step_after_ms": statistics.median(r["step_after_s"] for r in ranks) * 1e3,
@@ -194,16 +197,20 @@ def main() -> None:
         "",
         f"Step times are medians over {args.pairs} interleaved pairs on the survivors; recovery "
         f"is from the SIGKILL of rank {args.world - 1} to the survivors' next committed step "
-        f"(settle {args.settle:g} s).",
+        f"(settle {args.settle:g} s); 'step after' is the first step after it, which compiles "
+        "the step for the new group. Load average during the run: "
+        f"{os.getloadavg()[0]:.1f}.",
         "",
-        "| workload | params | plain step (ms) | recoverable step (ms) | overhead | kill to "
-        "commit (s) | of which agree + regroup (s) | step after (ms) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workload | params | plain step (ms) | recoverable step (ms) | overhead (medians) | "
+        "overhead (median of pair ratios) | kill to commit (s) | of which agree + regroup (s) "
+        "| step after (ms) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['workload']} | {r['params'] / 1e6:.1f}M | {r['plain_ms']:.1f} | "
             f"{r['recoverable_ms']:.1f} | {r['overhead_pct']:+.1f} % | "
+            f"{(r['pair_ratio_median'] - 1) * 100:+.1f} % | "
             f"{r['kill_to_commit_s']:.2f} | {r['agree_and_regroup_s']:.2f} | "
             f"{r['step_after_ms']:.1f} |"
         )

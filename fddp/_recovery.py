@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from fddp import _runtime
 from fddp._axes import DEFAULT_AXIS
-from fddp._collectives import psum
+from fddp._collectives import pmean, psum
 from fddp._data_parallel import DataParallelStep, _data_parallel
 from fddp._errors import RankFailureError
 from fddp._grad import value_and_grad
@@ -75,6 +75,7 @@ class RecoverableStep:
         bucket_cap_mb: float | None,
         first_bucket_cap_mb: float,
         compile: bool | str,
+        join: bool = False,
     ) -> None:
         self._loss_fn = loss_fn
         self._optimizer = optimizer
@@ -103,6 +104,9 @@ class RecoverableStep:
         self._last_state: tuple[Any, Any, torch.Tensor] | None = None
         self._steps: dict[bool, DataParallelStep] = {}
         self._backup: list[torch.Tensor] | None = None
+        self._admitted = 0  # replacements admitted so far (the same count on every member)
+        self._admit_at: tuple[int, tuple[int, ...]] | None = None  # (step, ids) once agreed
+        self._receive = join  # a replacement takes the state by broadcast on its first call
         self._beating = threading.Event()
         self._beat = threading.Thread(
             target=_heartbeat,
@@ -115,6 +119,8 @@ class RecoverableStep:
         # default group of the moment they are defined, which would keep its links open
         import torch.distributed.nn.functional  # noqa: F401
 
+        if join:
+            self._wait_for_admission()
         self._form_group()
 
     def close(self) -> None:
@@ -131,6 +137,9 @@ class RecoverableStep:
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, torch.Tensor]:
         _refuse_unrecoverable(opt_state)
+        if self._admit_replacements() or self._receive:
+            params, opt_state = _runtime.replicate((params, opt_state), src=0)
+            self._receive = False
         while True:
             try:
                 out = self._attempt(params, opt_state, batch)
@@ -146,6 +155,51 @@ class RecoverableStep:
             self.step += 1
             self._last_loss = out[2]
             return out
+
+    def _admit_replacements(self) -> bool:
+        """At a step boundary: the first member schedules the replacements that registered
+        for the step after next (by then every member reads the schedule at a boundary
+        before it); at that step every member forms the next generation with them. Returns
+        whether the group was re-formed here."""
+        base = f"{self._prefix}/g{self.generation}"
+        if self._admit_at is None and self.uid == self.members[0]:
+            registered = self._store.add(f"{self._prefix}/joins", 0)
+            if registered > self._admitted:
+                ids = [
+                    int(self._store.get(f"{self._prefix}/join/{i}").decode())
+                    for i in range(self._admitted + 1, registered + 1)
+                ]
+                plan = f"{self.step + 2}:{','.join(map(str, ids))}"
+                self._store.compare_set(f"{base}/admit", "", plan)
+        if self._admit_at is None and self._store.check([f"{base}/admit"]):
+            at, listed = self._store.get(f"{base}/admit").decode().split(":")
+            self._admit_at = (int(at), tuple(int(u) for u in listed.split(",")))
+        if self._admit_at is None or self._admit_at[0] != self.step:
+            return False
+        joining = self._admit_at[1]
+        self._admit_at = None
+        self._admitted += len(joining)
+        self.members = (*self.members, *joining)
+        self.generation += 1
+        if self.uid == self.members[0]:
+            admission = f"{self.generation}:{self.step}:{','.join(map(str, self.members))}"
+            for u in joining:
+                self._store.set(f"{self._prefix}/admitted/{u}", admission)
+        self._steps = {}
+        _abandon_groups()
+        self._form_group()
+        return True
+
+    def _wait_for_admission(self) -> None:
+        """A replacement: register, and wait until the members admit it at a step boundary."""
+        index = self._store.add(f"{self._prefix}/joins", 1)
+        self._store.set(f"{self._prefix}/join/{index}", str(self.uid))
+        key = f"{self._prefix}/admitted/{self.uid}"
+        self._store.wait([key])
+        generation, step, members = self._store.get(key).decode().split(":")
+        self.generation, self.step = int(generation), int(step)
+        self.members = tuple(int(u) for u in members.split(","))
+        self._admitted = index
 
     def _attempt(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, torch.Tensor]:
         n, r = len(self.members), self.members.index(self.uid)
@@ -419,7 +473,10 @@ def _accumulating_step(
             if weighted:
                 out = optree.tree_map(lambda t, i=i: t * weights[i], out)
             total = out if total is None else optree.tree_map(torch.add, total, out)
-        loss, grads = optree.tree_map(lambda t: t / micro_batches, psum(total))
+        if weighted:
+            loss, grads = optree.tree_map(lambda t: t / micro_batches, psum(total))
+        else:  # k micro-batches on each of micro_batches / k members: the plain step's pmean
+            loss, grads = pmean(total) if k == 1 else optree.tree_map(lambda t: t / k, pmean(total))
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return apply_updates(params, updates), opt_state, loss
 
@@ -443,6 +500,7 @@ def recoverable(
     bucket_cap_mb: float | None = None,
     first_bucket_cap_mb: float = 1.0,
     compile: bool | str = False,
+    join: bool = False,
 ) -> RecoverableStep:
     """A data-parallel training step that keeps training when a rank dies or hangs.
 
@@ -461,7 +519,9 @@ def recoverable(
     member to the newest committed state (a broadcast, needed only when the failure came
     between one member's commit and another's), and run the step again over the same global
     batch, now in fewer, larger shares. A member that registers after the list was fixed gets
-    a :class:`fddp.RankFailureError`. The store must outlive every rank (torchrun's agent
+    a :class:`fddp.RankFailureError`. A replacement started later with ``join=True`` is
+    admitted at a step boundary: the group is formed again with it and it receives the state
+    by broadcast. The store must outlive every rank (torchrun's agent
     store, or a ``TCPStore`` hosted by the launcher); ``TCPStore`` hosted by rank 0 dies
     with it.
 
@@ -485,6 +545,11 @@ def recoverable(
         bucket_cap_mb: as :func:`fddp.data_parallel`.
         first_bucket_cap_mb: as :func:`fddp.data_parallel`.
         compile: as :func:`fddp.data_parallel`.
+        join: start as a replacement in a running job: register in ``store`` under the id
+            ``rank`` (one no member has used) and wait until the members admit it at a step
+            boundary (``world_size`` is then ignored). Its first call receives the members'
+            parameters and optimizer state by broadcast in place of the ones it passes (pass
+            trees of the same structure); start its loop at ``rstep.step``.
 
     Returns:
         A :class:`RecoverableStep`, with ``generation``, ``members``, ``step`` (committed
@@ -508,12 +573,12 @@ def recoverable(
             "generation), but one exists already: call it instead of fddp.init() or "
             "torch.distributed.init_process_group."
         )
-    if not isinstance(micro_batches, int) or micro_batches < world_size:
+    if not isinstance(micro_batches, int) or (micro_batches < world_size and not join):
         raise ValueError(
             f"recoverable: micro_batches={micro_batches!r} must be an int >= world_size "
             f"({world_size}): every member needs at least one micro-batch."
         )
-    if not 0 <= rank < world_size:
+    if not join and not 0 <= rank < world_size:
         raise ValueError(f"recoverable: rank={rank} is not in range(world_size={world_size}).")
     if timeout <= 0 or settle <= 0:
         raise ValueError("recoverable: timeout and settle must be positive (seconds).")
@@ -537,4 +602,5 @@ def recoverable(
         bucket_cap_mb=bucket_cap_mb,
         first_bucket_cap_mb=first_bucket_cap_mb,
         compile=compile,
+        join=join,
     )

@@ -30,23 +30,27 @@ KILLS = "3:1:forward,1:3:backward,0:5:tail"
 # member 1 stops (SIGSTOP) in step 2 and is found by the collective timeout.
 STOPS = "1:2:stop"
 MICRO_B = 9
+# a replacement (id 3) joins world B: admitted at the boundary of step JOIN_WAIT + 2
+JOIN_WAIT = 5
 
 
-def _launch(world: int, kill: str, out: Path, **env: str):
-    store = dist.TCPStore(
-        "127.0.0.1",
-        0,
-        is_master=True,
-        wait_for_workers=False,
+def _store() -> dist.TCPStore:
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False,
         timeout=datetime.timedelta(seconds=60),
-    )
+    )  # fmt: skip
+
+
+def _start(
+    ids: range, world: int, kill: str, store: dist.TCPStore, out: Path, **env: str
+) -> list[subprocess.Popen]:
     environ = script_env(
         FDDP_TEST_KILL=kill,
         FDDP_TEST_TIMEOUT=str(TIMEOUT_S),
         FDDP_TEST_SETTLE=str(SETTLE_S),
         **env,
     )
-    procs = [
+    return [
         subprocess.Popen(
             [
                 sys.executable,
@@ -60,9 +64,8 @@ def _launch(world: int, kill: str, out: Path, **env: str):
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
-        for r in range(world)
+        for r in ids
     ]
-    return store, procs
 
 
 def _stopped(pid: int) -> bool:
@@ -108,9 +111,16 @@ def _reference(micro_batches: int) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory):
     a, b = tmp_path_factory.mktemp("kills"), tmp_path_factory.mktemp("stop")
-    store_a, procs_a = _launch(4, KILLS, a)
-    store_b, procs_b = _launch(3, STOPS, b, FDDP_TEST_MICRO=str(MICRO_B))
+    store_a, store_b = _store(), _store()
+    procs_a = _start(range(4), 4, KILLS, store_a, a)
+    env_b = {"FDDP_TEST_MICRO": str(MICRO_B), "FDDP_TEST_WAIT_JOIN_AT": str(JOIN_WAIT)}
+    procs_b = _start(range(3), 3, STOPS, store_b, b, **env_b)
     deadline = time.monotonic() + 150
+    # the replacement starts once the survivors of the stop have agreed (it then registers
+    # while they train; they wait for it at step JOIN_WAIT and admit it at JOIN_WAIT + 2)
+    while time.monotonic() < deadline and not store_b.check(["fddp-recoverable/g0/roster"]):
+        time.sleep(0.1)
+    procs_b += _start(range(3, 4), 3, "", store_b, b, FDDP_TEST_JOIN="1", **env_b)
     codes = {"a": _finish(procs_a, deadline), "b": _finish(procs_b, deadline)}
     logs = {
         name: [p.stdout.read().decode(errors="replace")[-3000:] for p in procs]
@@ -118,7 +128,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
     }
     del store_a, store_b
     out = {}
-    for name, directory, world in (("a", a, 4), ("b", b, 3)):
+    for name, directory, world in (("a", a, 4), ("b", b, 4)):
         out[name] = {
             r: torch.load(directory / f"{r}.pt", weights_only=False)
             for r in range(world)
@@ -137,20 +147,22 @@ def test_kills_before_during_and_after_the_all_reduce(runs):
     assert_trees_close(survivor["params"], _reference(common.MICRO_BATCHES), rtol=1e-5, atol=1e-6)
 
 
-def test_stopped_rank_is_dropped_after_the_timeout(runs):
+def test_stopped_rank_is_dropped_after_the_timeout_and_a_replacement_joins(runs):
     codes, logs, out = runs
-    assert codes["b"] == [0, None, 0], logs["b"]
-    assert sorted(out["b"]) == [0, 2]
-    first, second = out["b"][0], out["b"][2]
-    for result in (first, second):
-        assert result["recovered_steps"] == (2,)
-        assert result["lost"] == [(1,)]
-        assert (result["generation"], result["members"]) == (1, (0, 2))
-    assert_trees_close(first["params"], _reference(MICRO_B), rtol=1e-5, atol=1e-6)
-    # the survivors stay replicas: bitwise the same parameters and optimizer state
-    assert_trees_equal(
-        (first["params"], first["opt_state"]), (second["params"], second["opt_state"])
-    )
+    assert codes["b"] == [0, None, 0, 0], logs["b"]
+    assert sorted(out["b"]) == [0, 2, 3]
+    for uid in (0, 2):
+        assert out["b"][uid]["recovered_steps"] == (2,)
+        assert out["b"][uid]["lost"] == [(1,)]
+    replacement = out["b"][3]
+    assert (replacement["recovered_steps"], replacement["lost"]) == ((), [])
+    for result in out["b"].values():
+        assert (result["generation"], result["members"]) == (2, (0, 2, 3))
+    assert_trees_close(out["b"][0]["params"], _reference(MICRO_B), rtol=1e-5, atol=1e-6)
+    # the survivors and the replacement stay replicas: bitwise the same state
+    state = {u: (r["params"], r["opt_state"]) for u, r in out["b"].items()}
+    assert_trees_equal(state[2], state[0])
+    assert_trees_equal(state[3], state[0])
 
 
 def test_unrecoverable_state_is_refused_with_the_alternative(runs):

@@ -54,6 +54,7 @@ def _kills() -> dict[tuple[int, int], str]:
 
 KILLS = _kills()
 UID = int(sys.argv[1])
+JOIN = bool(os.environ.get("FDDP_TEST_JOIN"))  # a replacement, started later
 
 
 def _hit(point: str) -> None:
@@ -129,10 +130,14 @@ def main() -> None:
         settle=float(os.environ.get("FDDP_TEST_SETTLE", "1.0")),
         bucket_cap_mb=1e-4,
         first_bucket_cap_mb=1e-4,
+        join=JOIN,
     )
     params = initial_params()
     opt_state = opt.init(params)
-    for step in range(STEPS):
+    wait_at = int(os.environ.get("FDDP_TEST_WAIT_JOIN_AT", "-1"))
+    for step in range(rstep.step, STEPS):
+        if step == wait_at:  # every member waits here until the replacement has registered
+            store.wait(["fddp-recoverable/join/1"])  # the key of the first registration
         _now["step"], _now["counts"] = step, {}
         k = -(-micro_batches // len(rstep.members))
         _now["targets"] = {"backward": k}
