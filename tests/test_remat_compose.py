@@ -131,7 +131,7 @@ def test_repeated_block_replay_still_happens_under_remat(monkeypatch) -> None:
 
 
 def test_compile_true_with_remat_is_bitwise_compile_true_without() -> None:
-    model = _Stack(dropout=0.0)
+    model = _Stack(layers=2, dropout=0.0)
     params, _ = fddp.state(model)
     x, y = _batch(2)
     step = _grad_step(model)

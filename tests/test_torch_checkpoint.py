@@ -154,7 +154,7 @@ def _gpt2(checkpointing: bool) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        vocab_size=32, n_positions=16, n_embd=16, n_layer=2, n_head=2, bos_token_id=0
+        vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0
     )
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config).train()  # dropout 0.1 in every block

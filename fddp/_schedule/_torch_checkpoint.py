@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import traceback
@@ -96,6 +97,7 @@ def _from_dynamo(gmod: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
     body_kwargs = {k: v for k, v in kwargs.items() if k not in _CHECKPOINT_KEYWORDS}
     # The interpreter replaces the annotations of the moment by each body node's own
     # (fx_traceback.set_current_meta), so the region goes on the body's nodes.
+    _remat._refuse_replay()
     region = _annotation(policy)
     nodes = list(gmod.graph.nodes)
     saved = [node.meta.get("custom") for node in nodes]
@@ -111,13 +113,17 @@ def _from_dynamo(gmod: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
                 node.meta["custom"] = custom
 
 
-def _region(policy: _remat.Policy) -> contextlib.AbstractContextManager[Any]:
+@contextlib.contextmanager
+def _region(policy: _remat.Policy) -> Iterator[None]:
     """What ``fddp.remat(fn, policy=policy)`` puts around ``fn``."""
-    return fx_traceback.annotate(_annotation(policy))
+    _remat._refuse_replay()
+    with fx_traceback.annotate(_annotation(policy)):
+        yield
 
 
 def _annotation(policy: _remat.Policy) -> dict[str, Any]:
-    return {REMAT_REGION: (next(_remat._CALLS), policy)}
+    """``fddp.remat``'s annotation of a region's nodes: a token per call, the policy's fields."""
+    return {REMAT_REGION: (next(_remat._CALLS), dataclasses.astuple(policy))}
 
 
 def _policy_of(
