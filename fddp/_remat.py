@@ -16,7 +16,7 @@ from fddp._annotations import REMAT_NAME, REMAT_REGION
 from fddp._errors import UsageTypeError, UsageValueError
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-_CALLS = itertools.count()  # one token per call of a region: the pass renumbers them in order
+_CALLS = itertools.count()  # one token per call of a region (the plan numbers regions in order)
 # the thread where fddp's capture traces a repeated block once to replay it for every call
 _TEMPLATE_THREAD = "fddp-block-template"
 
@@ -33,6 +33,17 @@ def _refuse_replay() -> None:
         raise _PerCall("a remat region or name inside a repeated block")
 
 
+POLICY_NAMES = (
+    "nothing_saveable",
+    "everything_saveable",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+    "save_only_these_names",
+    "save_any_names_but_these",
+    "memory_budget",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """What a remat region keeps for the backward pass; made by ``fddp.remat_policies``.
@@ -45,6 +56,14 @@ class Policy:
     names: tuple[str, ...] = ()
     fraction: float | None = None
     budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in POLICY_NAMES:
+            raise UsageValueError(
+                f"Policy({self.kind!r}): not a remat policy; use fddp.remat_policies: "
+                + ", ".join(POLICY_NAMES)
+                + "."
+            )
 
     def __repr__(self) -> str:
         if self.kind in ("save_only_these_names", "save_any_names_but_these"):
@@ -108,17 +127,6 @@ def memory_budget(fraction: float | None = None, bytes: int | None = None) -> Po
     return Policy(
         "memory_budget", fraction=None if fraction is None else float(fraction), budget_bytes=bytes
     )
-
-
-POLICY_NAMES = (
-    "nothing_saveable",
-    "everything_saveable",
-    "dots_saveable",
-    "dots_with_no_batch_dims_saveable",
-    "save_only_these_names",
-    "save_any_names_but_these",
-    "memory_budget",
-)
 
 
 def _checked_names(names: tuple[Any, ...], what: str) -> tuple[str, ...]:

@@ -306,6 +306,8 @@ def test_bad_policies_name_the_fix():
         fddp.remat(lambda x: x, policy=P.memory_budget)
     with pytest.raises(ValueError, match="exactly one"):
         P.memory_budget()
+    with pytest.raises(ValueError, match="not a remat policy"):
+        P.Policy("full")
     with pytest.raises(ValueError, match=r"no value is named 'atn'.*'attn', 'hidden'"):
         fddp.data_parallel(step, remat=P.save_only_these_names("atn")).schedule(*args)
     with pytest.raises(ValueError, match="no region can keep it"):
