@@ -76,6 +76,7 @@ class RecoverableStep:
         first_bucket_cap_mb: float,
         compile: bool | str,
         join: bool = False,
+        invariant: bool = False,
     ) -> None:
         self._loss_fn = loss_fn
         self._optimizer = optimizer
@@ -86,6 +87,7 @@ class RecoverableStep:
         self._prefix = prefix
         self._backend = backend
         self._donate = donate
+        self._invariant = invariant
         self._dp_options = dict(
             bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb, compile=compile
         )
@@ -93,6 +95,7 @@ class RecoverableStep:
             ("recoverable loss_fn", _qualified_name(loss_fn)),
             ("recoverable micro_batches", repr(micro_batches)),
             ("recoverable donate", repr(donate)),
+            ("recoverable invariant", repr(invariant)),
             *describe(optimizer, "recoverable optimizer"),
         ]
         self.uid = rank
@@ -206,18 +209,26 @@ class RecoverableStep:
         local, weights = _local_chunks(batch, self._micro_batches, n, r)
         if self._donate:
             self._keep(params, opt_state)
-        pstep = self._pstep(weights is not None)
+        if self._invariant and weights is not None:
+            raise ValueError(
+                f"recoverable(invariant=True): micro_batches={self._micro_batches} does not "
+                f"split evenly over the {n} members left; the exact mean over the global batch "
+                "cannot weigh padding. Choose micro_batches divisible by every world size the "
+                "job may shrink to (12 covers 4, 3, 2 and 1)."
+            )
+        rows = optree.tree_leaves(local)[0].shape[0] // -(-self._micro_batches // n)
+        pstep = self._pstep(weights is not None, rows)
         if weights is None:
             return pstep(params, opt_state, local)
         return pstep(params, opt_state, local, weights)
 
-    def _pstep(self, weighted: bool) -> DataParallelStep:
+    def _pstep(self, weighted: bool, micro_rows: int) -> DataParallelStep:
         """The data-parallel step of this generation (built on its first use: a new group gets
         a new step, whose program cache, call check and replica guard start empty)."""
         if weighted not in self._steps:
             k = -(-self._micro_batches // len(self.members))
             step_fn = _accumulating_step(
-                self._loss_fn, self._optimizer, k, self._micro_batches, weighted
+                self._loss_fn, self._optimizer, k, self._micro_batches, weighted, self._invariant
             )
             self._steps[weighted] = _data_parallel(
                 step_fn,
@@ -230,6 +241,7 @@ class RecoverableStep:
                 check_replicas=True,
                 cache_size=4,
                 overlap_steps=False,
+                invariant=micro_rows if self._invariant else None,
                 built_with=[*self._described, ("recoverable weighted", repr(weighted))],
                 **self._dp_options,  # type: ignore[arg-type]
             )
@@ -288,6 +300,7 @@ class RecoverableStep:
             ) from error
         self.members = tuple(roster)
         self.generation = failed + 1
+        self._admit_at = None  # a replacement scheduled in the failed generation is planned again
         self._form_group()
         newest = max(roster.values())
         src = self.members.index(next(u for u in self.members if roster[u] == newest))
@@ -456,6 +469,7 @@ def _accumulating_step(
     k: int,
     micro_batches: int,
     weighted: bool,
+    invariant: bool = False,
 ) -> Callable[..., Any]:
     """The step a member runs: the summed loss and gradients of its ``k`` micro-batches
     (weighted when some are padding), summed over the members and divided by the global
@@ -463,6 +477,10 @@ def _accumulating_step(
     vg = value_and_grad(loss_fn)
 
     def step(params: Any, opt_state: Any, batch: Any, weights: Any = None) -> Any:
+        if invariant:  # data_parallel(invariant=) takes the exact mean per micro-batch
+            loss, grads = pmean(vg(params, batch))
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return apply_updates(params, updates), opt_state, loss
         leaves, spec = optree.tree_flatten(batch)
         parts = [
             torch.tensor_split(x, k) if isinstance(x, torch.Tensor) else [x] * k for x in leaves
@@ -501,6 +519,7 @@ def recoverable(
     first_bucket_cap_mb: float = 1.0,
     compile: bool | str = False,
     join: bool = False,
+    invariant: bool = False,
 ) -> RecoverableStep:
     """A data-parallel training step that keeps training when a rank dies or hangs.
 
@@ -550,6 +569,11 @@ def recoverable(
             boundary (``world_size`` is then ignored). Its first call receives the members'
             parameters and optimizer state by broadcast in place of the ones it passes (pass
             trees of the same structure); start its loop at ``rstep.step``.
+        invariant: run the step in ``data_parallel``'s invariant mode with one chunk per
+            micro-batch: the gradient of the global batch is the same bits on any number of
+            members, so a run with failures (and replacements) is bitwise the run without.
+            ``micro_batches`` must then divide evenly over every world size the job shrinks
+            to (a ``ValueError`` otherwise).
 
     Returns:
         A :class:`RecoverableStep`, with ``generation``, ``members``, ``step`` (committed
@@ -603,4 +627,5 @@ def recoverable(
         first_bucket_cap_mb=first_bucket_cap_mb,
         compile=compile,
         join=join,
+        invariant=invariant,
     )

@@ -22,13 +22,16 @@ from _recovery_scripts import common
 WORKER = Path(__file__).parent / "_recovery_scripts" / "worker.py"
 TIMEOUT_S = 6.0
 SETTLE_S = 2.5  # the 2-core CI machine can hold a process off the CPU for over a second
-# world A: 4 members; member 3 dies in the forward pass of step 1 (no all-reduce launched yet),
-# member 1 in the backward pass of step 3 (the first bucket's all-reduce in flight), member 0
-# (which the store does not depend on) in the optimizer update of step 5, after the all-reduce.
+# world A, invariant mode: 4 members; member 3 dies in the forward pass of step 1, member 1 in
+# the backward pass of its last micro-batch in step 3, member 0 (the store does not depend on
+# it) in the optimizer update of step 5, after the reduction. World D: one process, invariant
+# mode, no failure: A must end bitwise equal to it.
 KILLS = "3:1:forward,1:3:backward,0:5:tail"
-# world B: 3 members, 9 micro-batches (3 each; 5 and 4 once 2 are left: the short one pads);
-# member 1 stops (SIGSTOP) in step 2 and is found by the collective timeout.
-STOPS = "1:2:stop"
+# world B, default mode: 3 members, 9 micro-batches (3 each; 5 and 4 once 2 are left: the
+# short one pads); member 1 stops (SIGSTOP) in step 2 and is found by the collective timeout;
+# member 2 dies in step 4 in the backward pass of its last micro-batch, after the first
+# bucket's all-reduce was launched (the other member is inside it).
+STOPS = "1:2:stop,2:4:backward"
 MICRO_B = 9
 # a replacement (id 3) joins world B: admitted at the boundary of step JOIN_WAIT + 2
 JOIN_WAIT = 5
@@ -112,7 +115,10 @@ def _reference(micro_batches: int) -> dict[str, torch.Tensor]:
 def runs(tmp_path_factory: pytest.TempPathFactory):
     a, b = tmp_path_factory.mktemp("kills"), tmp_path_factory.mktemp("stop")
     store_a, store_b = _store(), _store()
-    procs_a = _start(range(4), 4, KILLS, store_a, a)
+    d = tmp_path_factory.mktemp("reference")
+    store_d = _store()
+    procs_a = _start(range(4), 4, KILLS, store_a, a, FDDP_TEST_INVARIANT="1")
+    procs_d = _start(range(1), 1, "", store_d, d, FDDP_TEST_INVARIANT="1")
     env_b = {"FDDP_TEST_MICRO": str(MICRO_B), "FDDP_TEST_WAIT_JOIN_AT": str(JOIN_WAIT)}
     procs_b = _start(range(3), 3, STOPS, store_b, b, **env_b)
     deadline = time.monotonic() + 150
@@ -121,14 +127,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
     while time.monotonic() < deadline and not store_b.check(["fddp-recoverable/g0/roster"]):
         time.sleep(0.1)
     procs_b += _start(range(3, 4), 3, "", store_b, b, FDDP_TEST_JOIN="1", **env_b)
-    codes = {"a": _finish(procs_a, deadline), "b": _finish(procs_b, deadline)}
+    codes = {n: _finish(p, deadline) for n, p in (("a", procs_a), ("b", procs_b), ("d", procs_d))}
     logs = {
         name: [p.stdout.read().decode(errors="replace")[-3000:] for p in procs]
-        for name, procs in (("a", procs_a), ("b", procs_b))
+        for name, procs in (("a", procs_a), ("b", procs_b), ("d", procs_d))
     }
-    del store_a, store_b
+    del store_a, store_b, store_d
     out = {}
-    for name, directory, world in (("a", a, 4), ("b", b, 4)):
+    for name, directory, world in (("a", a, 4), ("b", b, 4), ("d", d, 1)):
         out[name] = {
             r: torch.load(directory / f"{r}.pt", weights_only=False)
             for r in range(world)
@@ -144,25 +150,32 @@ def test_kills_before_during_and_after_the_all_reduce(runs):
     assert survivor["recovered_steps"] == (1, 3, 6)  # the tail kill: step 5 had committed
     assert survivor["lost"] == [(3,), (1,), (0,)]
     assert (survivor["generation"], survivor["members"]) == (3, (2,))
+    assert codes["d"] == [0], logs["d"]
+    uninterrupted = out["d"][0]
+    assert uninterrupted["recovered_steps"] == ()
+    # invariant mode: three failures change no bit of the parameters or the optimizer state
+    assert_trees_equal(
+        (survivor["params"], survivor["opt_state"]),
+        (uninterrupted["params"], uninterrupted["opt_state"]),
+    )
     assert_trees_close(survivor["params"], _reference(common.MICRO_BATCHES), rtol=1e-5, atol=1e-6)
 
 
-def test_stopped_rank_is_dropped_after_the_timeout_and_a_replacement_joins(runs):
+def test_stopped_and_killed_ranks_are_dropped_and_a_replacement_joins(runs):
     codes, logs, out = runs
-    assert codes["b"] == [0, None, 0, 0], logs["b"]
-    assert sorted(out["b"]) == [0, 2, 3]
-    for uid in (0, 2):
-        assert out["b"][uid]["recovered_steps"] == (2,)
-        assert out["b"][uid]["lost"] == [(1,)]
-    replacement = out["b"][3]
+    assert codes["b"] == [0, None, -9, 0], logs["b"]
+    assert sorted(out["b"]) == [0, 3]
+    first, replacement = out["b"][0], out["b"][3]
+    assert first["recovered_steps"] == (2, 4)
+    assert first["lost"] == [(1,), (2,)]
     assert (replacement["recovered_steps"], replacement["lost"]) == ((), [])
-    for result in out["b"].values():
-        assert (result["generation"], result["members"]) == (2, (0, 2, 3))
-    assert_trees_close(out["b"][0]["params"], _reference(MICRO_B), rtol=1e-5, atol=1e-6)
-    # the survivors and the replacement stay replicas: bitwise the same state
-    state = {u: (r["params"], r["opt_state"]) for u, r in out["b"].items()}
-    assert_trees_equal(state[2], state[0])
-    assert_trees_equal(state[3], state[0])
+    for result in (first, replacement):
+        assert (result["generation"], result["members"]) == (3, (0, 3))
+    assert_trees_close(first["params"], _reference(MICRO_B), rtol=1e-5, atol=1e-6)
+    # the survivor and the replacement stay replicas: bitwise the same state
+    assert_trees_equal(
+        (replacement["params"], replacement["opt_state"]), (first["params"], first["opt_state"])
+    )
 
 
 def test_unrecoverable_state_is_refused_with_the_alternative(runs):

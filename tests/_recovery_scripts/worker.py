@@ -131,6 +131,7 @@ def main() -> None:
         bucket_cap_mb=1e-4,
         first_bucket_cap_mb=1e-4,
         join=JOIN,
+        invariant=bool(os.environ.get("FDDP_TEST_INVARIANT")),
     )
     params = initial_params()
     opt_state = opt.init(params)
