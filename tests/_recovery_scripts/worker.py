@@ -11,6 +11,12 @@ layer, after the first bucket's all-reduce was launched: the others are inside i
 (in the optimizer update, after the all-reduce finished) or ``stop`` (SIGSTOP in the forward
 pass: a hung rank). The hook is a custom operator in the loss, so it runs inside the
 compiled step.
+
+More settings, all read here: ``FDDP_TEST_TIMEOUT`` and ``FDDP_TEST_SETTLE`` (seconds),
+``FDDP_TEST_MICRO`` (micro-batches; set, member 0 also records how the step refuses sharded
+and DiLoCo state), ``FDDP_TEST_INVARIANT`` (invariant mode), ``FDDP_TEST_JOIN`` (start as a
+replacement), ``FDDP_TEST_WAIT_JOIN_AT`` (every member waits for the replacement to register
+before that step), ``FDDP_TEST_VERBOSE`` (a line per step).
 """
 
 from __future__ import annotations
