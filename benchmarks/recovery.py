@@ -197,8 +197,8 @@ def main() -> None:
         "",
         f"Step times are medians over {args.pairs} interleaved pairs on the survivors; recovery "
         f"is from the SIGKILL of rank {args.world - 1} to the survivors' next committed step "
-        f"(settle {args.settle:g} s); 'step after' is the first step after it, which compiles "
-        "the step for the new group. Load average during the run: "
+        f"(settle {args.settle:g} s); the redone step traces and compiles the step for the new "
+        "group; 'step after' is the next one, on the survivors. Load average during the run: "
         f"{os.getloadavg()[0]:.1f}.",
         "",
         "| workload | params | plain step (ms) | recoverable step (ms) | overhead (medians) | "
