@@ -6,9 +6,9 @@ rematerialisation (``data_parallel(step, remat=fddp.remat_policies.nothing_savea
 repeated block keeps only its input for the backward pass and is recomputed there, its dropout
 replaying the generator state it used). Each block's attention materialises the 8,192 x 8,192
 score matrix; without remat the forward keeps, per block, the scaled scores (for the gradient of
-the learned temperature), the softmax output, the dropout mask and its output: about 0.9 GB a
-block, 13 GiB a rank for 16 blocks, 26 GiB for the two ranks, more than this 24 GiB machine
-holds. With remat a rank keeps a few MiB for the backward and recomputes one block at a time.
+the learned temperature), the softmax output, the dropout mask and its output: the plan counts
+17.3 GiB a rank for the 16 blocks, 34.5 GiB for the two ranks, more than this 24 GiB machine
+holds. With remat a rank keeps 28 MiB for the backward and recomputes one block at a time.
 
 Every rank prints the bytes its plan saves for backward with and without remat (counted in the
 captured graph, before anything runs), each step's loss and time, and its peak RSS. The data

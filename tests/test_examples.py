@@ -146,8 +146,8 @@ def test_train_fully_sharded_two_ranks(examples) -> None:
 
 
 def test_train_remat_two_ranks(examples) -> None:
-    """--small: 2 blocks over 256 tokens (the default, 16 blocks over 8,192 tokens, needs
-    26 GiB for the two ranks without remat and minutes a step)."""
+    """--small: 2 blocks over 256 tokens (the default, 16 blocks over 8,192 tokens, would
+    keep 34.5 GiB for the two ranks without remat and takes minutes a step)."""
     output = run_example(examples, "train_remat")
     for rank in range(2):
         without = number(rf"rank {rank}: saved for backward \(the plan\): ([\d.]+) MiB", output)
