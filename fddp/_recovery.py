@@ -77,6 +77,7 @@ class RecoverableStep:
         compile: bool | str,
         join: bool = False,
         invariant: bool = False,
+        admit_every: int = 8,
     ) -> None:
         self._loss_fn = loss_fn
         self._optimizer = optimizer
@@ -88,6 +89,7 @@ class RecoverableStep:
         self._backend = backend
         self._donate = donate
         self._invariant = invariant
+        self._admit_every = admit_every
         self._dp_options = dict(
             bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb, compile=compile
         )
@@ -105,7 +107,7 @@ class RecoverableStep:
         self.recoveries: list[Recovery] = []
         self._last_loss: torch.Tensor | None = None
         self._last_state: tuple[Any, Any, torch.Tensor] | None = None
-        self._steps: dict[bool, DataParallelStep] = {}
+        self._steps: dict[tuple[bool, int], DataParallelStep] = {}
         self._backup: list[torch.Tensor] | None = None
         self._admitted = 0  # replacements admitted so far (the same count on every member)
         self._admit_at: tuple[int, tuple[int, ...]] | None = None  # (step, ids) once agreed
@@ -160,10 +162,12 @@ class RecoverableStep:
             return out
 
     def _admit_replacements(self) -> bool:
-        """At a step boundary: the first member schedules the replacements that registered
-        for the step after next (by then every member reads the schedule at a boundary
-        before it); at that step every member forms the next generation with them. Returns
-        whether the group was re-formed here."""
+        """At a step boundary (every ``admit_every`` steps): the first member schedules the
+        replacements that registered for ``2 * admit_every`` steps later (by then every member
+        has read the schedule at a boundary before it); at that step every member forms the
+        next generation with them. Returns whether the group was re-formed here."""
+        if self._admit_at is None and self.step % self._admit_every:
+            return False  # the store is read every admit_every steps only
         base = f"{self._prefix}/g{self.generation}"
         if self._admit_at is None and self.uid == self.members[0]:
             registered = self._store.add(f"{self._prefix}/joins", 0)
@@ -172,7 +176,7 @@ class RecoverableStep:
                     int(self._store.get(f"{self._prefix}/join/{i}").decode())
                     for i in range(self._admitted + 1, registered + 1)
                 ]
-                plan = f"{self.step + 2}:{','.join(map(str, ids))}"
+                plan = f"{self.step + 2 * self._admit_every}:{','.join(map(str, ids))}"
                 self._store.compare_set(f"{base}/admit", "", plan)
         if self._admit_at is None and self._store.check([f"{base}/admit"]):
             at, listed = self._store.get(f"{base}/admit").decode().split(":")
@@ -225,12 +229,12 @@ class RecoverableStep:
     def _pstep(self, weighted: bool, micro_rows: int) -> DataParallelStep:
         """The data-parallel step of this generation (built on its first use: a new group gets
         a new step, whose program cache, call check and replica guard start empty)."""
-        if weighted not in self._steps:
+        if (weighted, micro_rows) not in self._steps:
             k = -(-self._micro_batches // len(self.members))
             step_fn = _accumulating_step(
                 self._loss_fn, self._optimizer, k, self._micro_batches, weighted, self._invariant
             )
-            self._steps[weighted] = _data_parallel(
+            self._steps[weighted, micro_rows] = _data_parallel(
                 step_fn,
                 axis_name=DEFAULT_AXIS,
                 donate_argnums=(0, 1) if self._donate else (),
@@ -245,7 +249,7 @@ class RecoverableStep:
                 built_with=[*self._described, ("recoverable weighted", repr(weighted))],
                 **self._dp_options,  # type: ignore[arg-type]
             )
-        return self._steps[weighted]
+        return self._steps[weighted, micro_rows]
 
     def _keep(self, params: Any, opt_state: Any) -> None:
         """Copy the donated state aside until the step commits (the transaction's undo log)."""
@@ -520,6 +524,7 @@ def recoverable(
     compile: bool | str = False,
     join: bool = False,
     invariant: bool = False,
+    admit_every: int = 8,
 ) -> RecoverableStep:
     """A data-parallel training step that keeps training when a rank dies or hangs.
 
@@ -574,6 +579,8 @@ def recoverable(
             members, so a run with failures (and replacements) is bitwise the run without.
             ``micro_batches`` must then divide evenly over every world size the job shrinks
             to (a ``ValueError`` otherwise).
+        admit_every: how often (in steps) the members look in the store for replacements; a
+            replacement joins within ``3 * admit_every`` steps of registering.
 
     Returns:
         A :class:`RecoverableStep`, with ``generation``, ``members``, ``step`` (committed
@@ -604,6 +611,8 @@ def recoverable(
         )
     if not join and not 0 <= rank < world_size:
         raise ValueError(f"recoverable: rank={rank} is not in range(world_size={world_size}).")
+    if not isinstance(admit_every, int) or admit_every < 1:
+        raise ValueError(f"recoverable: admit_every={admit_every!r} must be an int >= 1.")
     if timeout <= 0 or settle <= 0:
         raise ValueError("recoverable: timeout and settle must be positive (seconds).")
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
@@ -628,4 +637,5 @@ def recoverable(
         compile=compile,
         join=join,
         invariant=invariant,
+        admit_every=admit_every,
     )

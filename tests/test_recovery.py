@@ -27,10 +27,10 @@ SETTLE_S = 2.5  # the 2-core CI machine can hold a process off the CPU for over 
 # it) in the optimizer update of step 5, after the reduction. World D: one process, invariant
 # mode, no failure: A must end bitwise equal to it.
 KILLS = "3:1:forward,1:3:backward,0:5:tail"
-# world B, default mode: 3 members, 9 micro-batches (3 each; 5 and 4 once 2 are left: the
-# short one pads); member 1 stops (SIGSTOP) in step 2 and is found by the collective timeout;
-# member 2 dies in step 4 in the backward pass of its last micro-batch, after the first
-# bucket's all-reduce was launched (the other member is inside it).
+# world B, default mode, state donated: 3 members, 9 micro-batches (3 each; 5 and 4 once 2 are
+# left: the short one pads); member 1 stops (SIGSTOP) in step 2 and is found by the collective
+# timeout; member 2 dies in step 4 in the backward pass of its last micro-batch, after the
+# first bucket's all-reduce was launched (the other member is inside it).
 STOPS = "1:2:stop,2:4:backward"
 MICRO_B = 9
 # a replacement (id 3) joins world B: admitted at the boundary of step JOIN_WAIT + 2
@@ -119,7 +119,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
     store_d = _store()
     procs_a = _start(range(4), 4, KILLS, store_a, a, FDDP_TEST_INVARIANT="1")
     procs_d = _start(range(1), 1, "", store_d, d, FDDP_TEST_INVARIANT="1")
-    env_b = {"FDDP_TEST_MICRO": str(MICRO_B), "FDDP_TEST_WAIT_JOIN_AT": str(JOIN_WAIT)}
+    env_b = {
+        "FDDP_TEST_MICRO": str(MICRO_B),
+        "FDDP_TEST_WAIT_JOIN_AT": str(JOIN_WAIT),
+        "FDDP_TEST_DONATE": "1",  # a failed step may have written into the state: restored
+    }
     procs_b = _start(range(3), 3, STOPS, store_b, b, **env_b)
     deadline = time.monotonic() + 150
     # the replacement starts once the survivors of the stop have agreed (it then registers

@@ -13,10 +13,11 @@ pass: a hung rank). The hook is a custom operator in the loss, so it runs inside
 compiled step.
 
 More settings, all read here: ``FDDP_TEST_TIMEOUT`` and ``FDDP_TEST_SETTLE`` (seconds),
-``FDDP_TEST_MICRO`` (micro-batches; set, member 0 also records how the step refuses sharded
-and DiLoCo state), ``FDDP_TEST_INVARIANT`` (invariant mode), ``FDDP_TEST_JOIN`` (start as a
-replacement), ``FDDP_TEST_WAIT_JOIN_AT`` (every member waits for the replacement to register
-before that step), ``FDDP_TEST_VERBOSE`` (a line per step).
+``FDDP_TEST_DONATE`` (donate the state), ``FDDP_TEST_MICRO`` (micro-batches; set, member 0
+also records how the step refuses sharded and DiLoCo state), ``FDDP_TEST_INVARIANT``
+(invariant mode), ``FDDP_TEST_JOIN`` (start as a replacement), ``FDDP_TEST_WAIT_JOIN_AT``
+(every member waits for the replacement to register before that step), ``FDDP_TEST_VERBOSE``
+(a line per step).
 """
 
 from __future__ import annotations
@@ -138,6 +139,8 @@ def main() -> None:
         first_bucket_cap_mb=1e-4,
         join=JOIN,
         invariant=bool(os.environ.get("FDDP_TEST_INVARIANT")),
+        donate=bool(os.environ.get("FDDP_TEST_DONATE")),
+        admit_every=1,
     )
     params = initial_params()
     opt_state = opt.init(params)
