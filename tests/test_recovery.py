@@ -4,7 +4,6 @@ stopped rank; the survivors keep training and end where full-batch training ends
 from __future__ import annotations
 
 import datetime
-import os
 import signal
 import subprocess
 import sys
@@ -191,8 +190,7 @@ def test_unrecoverable_state_is_refused_with_the_alternative(runs):
     assert "fddp.diloco" in refused["diloco"]
 
 
-def test_rejects_a_group_made_elsewhere_and_bad_options():
-    # checked before any group is formed: no process group in this process
+def test_rejects_bad_options_before_forming_a_group():
     if dist.is_initialized():
         pytest.skip("another test left a default process group in this process")
     import fddp
@@ -203,4 +201,8 @@ def test_rejects_a_group_made_elsewhere_and_bad_options():
         fddp.recoverable(lambda p, b: p, opt, store=store, rank=0, world_size=3, micro_batches=2)
     with pytest.raises(ValueError, match="rank=3 is not in range"):
         fddp.recoverable(lambda p, b: p, opt, store=store, rank=3, world_size=3, micro_batches=3)
-    assert os.environ.get("FDDP_TEST_KILL") is None  # only the workers' hook reads it
+    with pytest.raises(ValueError, match="admit_every=0 must be an int >= 1"):
+        fddp.recoverable(
+            lambda p, b: p, opt, store=store, rank=0, world_size=1, micro_batches=1, admit_every=0
+        )
+    assert not dist.is_initialized()
