@@ -29,7 +29,7 @@ from fddp._module import functional, state
 from fddp._pending import block_until_ready
 from fddp._persistent_cache import cache_dir, set_cache_dir
 from fddp._powersgd import powersgd
-from fddp._recovery import Recovery, RecoverableStep, recoverable
+from fddp._recovery import RecoverableStep, Recovery, recoverable
 from fddp._remat import remat, remat_name
 from fddp._runtime import init, rank, replicate, shard, world_size
 from fddp._sharding import ShardedParams, full_params, full_state_dict, shard_params
