@@ -587,6 +587,8 @@ def recoverable(
         steps), ``recoveries`` (:class:`Recovery` records) and ``recovered_steps``.
 
     >>> import fddp, torch, torch.distributed as dist
+    >>> if dist.is_initialized():  # recoverable forms the group itself
+    ...     dist.destroy_process_group()
     >>> store = dist.HashStore()
     >>> loss_fn = lambda w, b: ((b["x"] @ w) ** 2).mean()
     >>> opt = fddp.optim.sgd(0.1)
