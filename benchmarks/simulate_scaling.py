@@ -76,10 +76,10 @@ from fddp._bucket_policy import (
     candidates,
     rule_of_thumb,
 )
+from fddp._compiler import _bucket, _cost, _overlap
+from fddp._compiler._capture import capture
+from fddp._compiler._graph import is_collective, is_compute, is_wait, nbytes
 from fddp._machine import Machine
-from fddp._schedule import _bucket, _cost, _overlap
-from fddp._schedule._capture import capture
-from fddp._schedule._graph import is_collective, is_compute, is_wait, nbytes
 
 MIB = 2**20
 WORLDS = tuple(2**k for k in range(3, 11))  # 8 ... 1024

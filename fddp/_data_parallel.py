@@ -30,6 +30,9 @@ from fddp._agree import Line
 from fddp._bucket_policy import CapPolicy
 from fddp._call_check import CallCheck
 from fddp._collectives import ProcessAxis, process_axis
+from fddp._compiler import _pipeline
+from fddp._compiler._plan import Plan
+from fddp._compiler._program import Compiled
 from fddp._invariant import Invariant
 from fddp._program_cache import ProgramCache
 from fddp._remat import Policy, checked_policy
@@ -39,9 +42,6 @@ from fddp._replica_guard import (
     tensor_indices_of_arg,
     tensor_paths,
 )
-from fddp._schedule import _pipeline
-from fddp._schedule._plan import Plan
-from fddp._schedule._program import Compiled
 from fddp._signature import Modes, Signature, signature_of
 
 

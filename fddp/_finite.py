@@ -9,7 +9,7 @@ import optree
 import torch
 
 from fddp._collectives import psum
-from fddp._optim import call_update, takes_shard_axes
+from fddp._shard_axes import call_update, takes_shard_axes
 from fddp._types import GradientTransformation, OptState, Params, TensorTree, Updates
 
 

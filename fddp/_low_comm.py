@@ -18,10 +18,10 @@ from fddp import _axes, _digests, _runtime
 from fddp._agree import Line, digest, find_difference
 from fddp._axes import DEFAULT_AXIS
 from fddp._collectives import axis_index, axis_size, pmean
+from fddp._compiler._plan import Plan
 from fddp._data_parallel import DataParallelStep, _data_parallel
 from fddp._errors import ReplicaMismatchError, RetraceWarning, UsageValueError
 from fddp._optim import apply_updates, sgd
-from fddp._schedule._plan import Plan
 from fddp._tree import leaves_with_paths, path_str
 from fddp._types import GradientTransformation
 

@@ -14,6 +14,7 @@ import torch
 from fddp import _gathered
 from fddp._collectives import psum
 from fddp._errors import UsageTypeError, UsageValueError
+from fddp._shard_axes import call_update, takes_shard_axes
 from fddp._types import (
     GradientTransformation,
     OptState,
@@ -479,27 +480,6 @@ def global_norm(tree: TensorTree, shard_axes: Sequence[str] = ()) -> torch.Tenso
     for name in shard_axes:
         square = psum(square, name)
     return torch.sqrt(square)
-
-
-def takes_shard_axes(transform: GradientTransformation) -> bool:
-    """Whether ``transform.update`` accepts the ``shard_axes`` keyword (see :func:`global_norm`);
-    read once, when a wrapping transformation is built, never while a step is traced."""
-    parameters = inspect.signature(transform.update).parameters.values()
-    return any(p.name == "shard_axes" or p.kind is p.VAR_KEYWORD for p in parameters)
-
-
-def call_update(
-    transform: GradientTransformation,
-    takes: bool,
-    updates: Updates,
-    state: OptState,
-    params: Params | None,
-    shard_axes: Sequence[str],
-) -> tuple[Updates, OptState]:
-    """``transform.update``, passing ``shard_axes`` on when it ``takes`` them."""
-    if takes:
-        return transform.update(updates, state, params, shard_axes=shard_axes)  # type: ignore[call-arg]
-    return transform.update(updates, state, params)
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:

@@ -22,8 +22,9 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp import _runtime
-from fddp._checkpoint import _files
+from fddp import _files, _runtime
+from fddp._compiler import _cost, _pipeline, _store
+from fddp._compiler._program import Compiled
 from fddp._digests import digests
 from fddp._fingerprint import (
     Fingerprint,
@@ -33,8 +34,6 @@ from fddp._fingerprint import (
     locate,
 )
 from fddp._machine import Machine
-from fddp._schedule import _cost, _pipeline, _store
-from fddp._schedule._program import Compiled
 from fddp._signature import Signature, TensorSpec
 
 ENV = "FDDP_CACHE_DIR"

@@ -22,10 +22,10 @@ Example:
     {'w': tensor([0.5000, 0.5000])}
 """
 
+from fddp._compiler._plan import CollectivePlan, Plan
 from fddp._data_parallel import DataParallelStep
 from fddp._low_comm import LowCommStep, Phase
 from fddp._powersgd import PowerSGD, PowerSGDState
-from fddp._schedule._plan import CollectivePlan, Plan
 from fddp._types import (
     Batch,
     GradientTransformation,

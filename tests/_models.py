@@ -13,8 +13,8 @@ from torch import nn
 import fddp
 import fddp.optim as optim
 from fddp import _axes, _collectives
-from fddp._schedule import _repeated
-from fddp._schedule._capture import Captured, capture
+from fddp._compiler import _repeated
+from fddp._compiler._capture import Captured, capture
 
 
 def mlp(sizes: tuple[int, ...], *, bias: bool = True, seed: int = 0) -> nn.Sequential:

@@ -19,7 +19,7 @@ from _compare import assert_trees_close, assert_trees_equal
 from torch import nn
 
 import fddp
-from fddp._schedule import _capture
+from fddp._compiler import _capture
 
 
 def _lstm_model(

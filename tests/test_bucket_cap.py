@@ -23,9 +23,9 @@ import fddp
 from fddp import _axes, _collectives
 from fddp import _machine as _machine_module
 from fddp._bucket_policy import DDP_CAP_BYTES, CapPolicy, rule_of_thumb
+from fddp._compiler import _bucket, _cost
+from fddp._compiler._capture import capture
 from fddp._machine import Machine
-from fddp._schedule import _bucket, _cost
-from fddp._schedule._capture import capture
 
 MIB = 2**20
 SIZES = (256,) * 9  # eight 256 KiB weights and their biases: 2 MiB of gradients

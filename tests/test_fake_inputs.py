@@ -11,7 +11,7 @@ from test_quick_record import _decoder_step, _described
 
 import fddp
 import fddp.optim as optim
-from fddp._schedule import _capture
+from fddp._compiler import _capture
 
 
 def _graph(step, args, monkeypatch, *, direct: bool):

@@ -31,7 +31,7 @@ from _models import (
 
 import fddp
 import fddp.optim as optim
-from fddp._schedule._graph import is_compute, is_view
+from fddp._compiler._graph import is_compute, is_view
 
 STEPS = 20
 TOL = 1e-6

@@ -17,7 +17,7 @@ TABLE_HEADING = "## Layers"
 @dataclasses.dataclass(frozen=True)
 class Layer:
     name: str
-    entries: tuple[str, ...]  # "_tree" is fddp/_tree.py, "_schedule/" every module under it
+    entries: tuple[str, ...]  # "_tree" is fddp/_tree.py, "_compiler/" every module under it
     may_import: frozenset[str]  # besides its own layer
 
 
@@ -62,7 +62,7 @@ def modules() -> dict[str, Path]:
 
 
 def entry_of(module: str) -> str:
-    """How the table writes ``module``: "_tree", "__init__", "_schedule/_bucket"."""
+    """How the table writes ``module``: "_tree", "__init__", "_compiler/_bucket"."""
     rest = module.removeprefix("fddp").removeprefix(".")
     return rest.replace(".", "/") or "__init__"
 
@@ -106,7 +106,7 @@ def _ours(name: str) -> bool:
 
 
 def _target_module(name: str) -> str:
-    """The module an import resolves to: ``import fddp._schedule._plan`` is that module."""
+    """The module an import resolves to: ``import fddp._compiler._plan`` is that module."""
     while name not in modules() and "." in name:
         name = name.rpartition(".")[0]
     return name

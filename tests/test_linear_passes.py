@@ -20,7 +20,7 @@ from _models import captured_step, mlp_step, regression_batch
 
 import fddp.optim as optim
 from fddp._bucket_policy import CapPolicy
-from fddp._schedule import (
+from fddp._compiler import (
     _backend,
     _bucket,
     _cost,

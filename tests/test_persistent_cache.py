@@ -23,7 +23,7 @@ from _models import mlp_step, regression_batch
 
 import fddp
 import fddp.optim as optim
-from fddp._schedule import _store
+from fddp._compiler import _store
 
 SIZES = (8, 16, 4)
 LOADED = "loaded from cache"

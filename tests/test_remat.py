@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fddp
 from fddp._annotations import REMAT_NAME, REMAT_RECOMPUTED
-from fddp._schedule import _remat as remat_pass
+from fddp._compiler import _remat as remat_pass
 
 P = fddp.remat_policies
 LAYERS = 3

@@ -1,4 +1,4 @@
-"""Repeated blocks traced once (``_schedule._repeated``): the graph written by replaying a
+"""Repeated blocks traced once (``_compiler._repeated``): the graph written by replaying a
 block's template computes what make_fx's graph of every block computes, bitwise, with the same
 nodes; blocks that differ, or that run where a template could differ (hooks, autocast, Python
 objects among their arguments, in-place writes to their inputs or buffers), are traced as they
@@ -18,7 +18,7 @@ from torch import nn
 
 import fddp
 import fddp.optim as optim
-from fddp._schedule import _repeated
+from fddp._compiler import _repeated
 
 
 class Decoder(nn.Module):

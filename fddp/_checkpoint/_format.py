@@ -9,7 +9,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from fddp._checkpoint import _files
+from fddp import _files
 
 __all__ = ["TORCH_LOAD_SAYS", "VERSION", "read", "unpickler_reason", "write"]
 

@@ -8,7 +8,7 @@ import os
 import re
 from typing import Any, BinaryIO
 
-from fddp._checkpoint import _files
+from fddp import _files
 
 __all__ = ["MANIFEST", "publish", "published", "read", "remove_unpublished"]
 

@@ -12,8 +12,8 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from fddp import _agree, _machine, _pending, _runtime
-from fddp._checkpoint import _dcp, _files, _like, _manifest, _storage
+from fddp import _agree, _files, _machine, _pending, _runtime
+from fddp._checkpoint import _dcp, _like, _manifest, _storage
 from fddp._checkpoint._source import METADATA, Source
 from fddp._errors import RankFailureError, UsageValueError
 from fddp._sharding import cut_ranks

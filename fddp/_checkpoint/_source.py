@@ -13,7 +13,8 @@ from typing import Any, BinaryIO
 
 import torch
 
-from fddp._checkpoint import _dcp, _files, _like, _manifest, _storage
+from fddp import _files
+from fddp._checkpoint import _dcp, _like, _manifest, _storage
 
 __all__ = ["METADATA", "Source"]
 

@@ -14,8 +14,8 @@ from typing import Any, BinaryIO, NamedTuple, Protocol, cast
 
 import torch
 
-from fddp import _agree, _runtime
-from fddp._checkpoint import _files, _format
+from fddp import _agree, _files, _runtime
+from fddp._checkpoint import _format
 from fddp._errors import RankFailureError
 
 __all__ = ["MetadataUnpickler", "RefusedGlobal", "Source", "dcp", "errors", "one_process_quietly"]

@@ -12,7 +12,7 @@ from fddp import _axes, _gathered
 from fddp._axes import DEFAULT_AXIS
 from fddp._collectives import all_gather, axis_index, axis_size, pmean, psum_scatter
 from fddp._errors import UsageTypeError
-from fddp._optim import call_update, takes_shard_axes
+from fddp._shard_axes import call_update, takes_shard_axes
 from fddp._sharding._group import Members, check_hybrid, check_members, members_of
 from fddp._sharding._layout import (
     Bucket,

@@ -6,7 +6,7 @@ import torch
 from torch import fx
 
 from fddp._annotations import AXIS_INDEX
-from fddp._schedule._graph import alias_root, is_collective, mutated_inputs
+from fddp._compiler._graph import alias_root, is_collective, mutated_inputs
 
 # Annotation on the nodes whose value is this rank's own: axis_index, and the all-to-all a
 # reduce-scatter is made of on gloo (the same op carries replicated copies in an all-gather).

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 
 from torch import fx
 
-from fddp._schedule._graph import is_collective
+from fddp._compiler._graph import is_collective
 
 _armed = threading.local()
 

@@ -11,7 +11,7 @@ import torch
 from torch import fx
 
 from fddp._annotations import BUCKET, PARAM_GATHER, REMAT_RECOMPUTED
-from fddp._schedule._graph import (
+from fddp._compiler._graph import (
     alias_root,
     c10d,
     in_place_writes,

@@ -11,9 +11,9 @@ from torch import fx
 from torch.utils.flop_counter import flop_registry
 
 from fddp._bucket_policy import Predict
+from fddp._compiler import _bucket
+from fddp._compiler._graph import is_collective, is_view, is_wait
 from fddp._machine import Machine
-from fddp._schedule import _bucket
-from fddp._schedule._graph import is_collective, is_view, is_wait
 
 _NODES_PER_BUCKET = 6  # empty, launch, wait, split and views that each bucket adds
 

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import fx
 
-from fddp._schedule import _backend, _cost, _gate
-from fddp._schedule._capture import Captured
-from fddp._schedule._program import Program
+from fddp._compiler import _backend, _cost, _gate
+from fddp._compiler._capture import Captured
+from fddp._compiler._program import Program
 
 FORMAT = 1
 
@@ -28,7 +28,7 @@ class NotStorable(Exception):
 
 _PYTHON_TARGETS: dict[tuple[str, str], Callable[..., Any]] = {
     ("operator", "getitem"): operator.getitem,
-    ("fddp._schedule._gate", "signature_gate"): _gate.signature_gate,
+    ("fddp._compiler._gate", "signature_gate"): _gate.signature_gate,
 }
 _TARGET_NAMES = {id(fn): key for key, fn in _PYTHON_TARGETS.items()}
 _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)

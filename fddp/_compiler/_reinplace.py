@@ -9,7 +9,7 @@ from typing import cast
 import torch
 from torch import fx
 
-from fddp._schedule._graph import Storage, is_collective, is_wait, replace_uses, storage
+from fddp._compiler._graph import Storage, is_collective, is_wait, replace_uses, storage
 
 aten = torch.ops.aten
 

@@ -9,8 +9,8 @@ import torch
 from torch import fx
 
 from fddp._annotations import FORWARD, LEAF_PATH, PARAM_GATHER, PARAM_GATHER_KEPT
-from fddp._schedule._graph import is_collective, is_view, is_wait, mutated_inputs
-from fddp._schedule._overlap import bound_sharding_collectives
+from fddp._compiler._graph import is_collective, is_view, is_wait, mutated_inputs
+from fddp._compiler._overlap import bound_sharding_collectives
 
 PREFETCH = 1  # gathers in flight ahead of the one being waited for
 # Each in flight holds a whole bucket of gradients (and, on gloo, receives one); one overlaps

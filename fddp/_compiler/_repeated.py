@@ -25,8 +25,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from fddp import _model_calls
-from fddp._schedule import _backward_mode, _quick_record
-from fddp._schedule._graph import mutated_inputs, storage
+from fddp._compiler import _backward_mode, _quick_record
+from fddp._compiler._graph import mutated_inputs, storage
 
 if _quick_record._AVAILABLE:
     from torch.fx.experimental.proxy_tensor import (

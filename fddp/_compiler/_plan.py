@@ -11,10 +11,10 @@ import torch.distributed
 from torch import fx
 
 from fddp._annotations import BUCKET_LEAVES, LEAF_PATH
-from fddp._schedule import _param_gathers
-from fddp._schedule._bucket import BucketNodes
-from fddp._schedule._graph import is_collective, is_compute, nbytes
-from fddp._schedule._remat import RematPlan
+from fddp._compiler import _param_gathers
+from fddp._compiler._bucket import BucketNodes
+from fddp._compiler._graph import is_collective, is_compute, nbytes
+from fddp._compiler._remat import RematPlan
 
 
 @dataclasses.dataclass(frozen=True)

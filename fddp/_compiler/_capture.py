@@ -32,10 +32,10 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fddp import _model_calls, _runtime
+from fddp._compiler import _backward_mode, _repeated, _torch_checkpoint
+from fddp._compiler._graph import remove_double_waits, storage
+from fddp._compiler._quick_record import QuickRecord
 from fddp._errors import CaptureError, PrintWhileTracingWarning, UsageError
-from fddp._schedule import _backward_mode, _repeated, _torch_checkpoint
-from fddp._schedule._graph import remove_double_waits, storage
-from fddp._schedule._quick_record import QuickRecord
 
 _FDDP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 

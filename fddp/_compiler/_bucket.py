@@ -17,7 +17,7 @@ from torch._prims_common import make_contiguous_strides_for
 
 from fddp._annotations import BUCKET, BUCKET_LEAVES, LEAF_PATH
 from fddp._bucket_policy import pack
-from fddp._schedule._graph import (
+from fddp._compiler._graph import (
     ALL_REDUCE,
     ALL_REDUCE_INPLACE,
     WAIT,
@@ -32,7 +32,7 @@ from fddp._schedule._graph import (
     returned_argument,
     value,
 )
-from fddp._schedule._quick_record import view_value
+from fddp._compiler._quick_record import view_value
 
 aten = torch.ops.aten
 

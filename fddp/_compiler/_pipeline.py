@@ -11,10 +11,7 @@ import torch.distributed as dist
 
 from fddp._agree import find_difference, raise_everywhere
 from fddp._bucket_policy import CapPolicy, Choice
-from fddp._errors import ScheduleMismatchError
-from fddp._machine import Machine
-from fddp._remat import Policy
-from fddp._schedule import (
+from fddp._compiler import (
     _across_steps,
     _backend,
     _bucket,
@@ -27,9 +24,12 @@ from fddp._schedule import (
     _remat,
     _replication,
 )
-from fddp._schedule._capture import Captured, capture
-from fddp._schedule._graph import comparable_lines
-from fddp._schedule._program import Compiled, Program, collector_paused
+from fddp._compiler._capture import Captured, capture
+from fddp._compiler._graph import comparable_lines
+from fddp._compiler._program import Compiled, Program, collector_paused
+from fddp._errors import ScheduleMismatchError
+from fddp._machine import Machine
+from fddp._remat import Policy
 
 BACKENDS = ("fx", "inductor")  # run the scheduled FX graph, or compile it with Inductor
 

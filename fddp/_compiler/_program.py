@@ -15,9 +15,9 @@ from torch import fx
 
 from fddp import _axes
 from fddp._agree import digest
-from fddp._schedule import _across_steps, _backend, _cost, _gate, _plan
-from fddp._schedule._capture import Captured, DynamoCapture
-from fddp._schedule._graph import comparable_lines
+from fddp._compiler import _across_steps, _backend, _cost, _gate, _plan
+from fddp._compiler._capture import Captured, DynamoCapture
+from fddp._compiler._graph import comparable_lines
 from fddp._signature import leaf_paths
 
 RANK_SOURCE = "the rank (fddp.axis_index, or a psum_scatter block)"

@@ -11,10 +11,10 @@ from torch import fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from fddp._compiler import _backend, _reinplace
+from fddp._compiler._graph import alias_root, is_collective, is_wait, mutated_inputs, nbytes
+from fddp._compiler._overlap import dependencies, dependents
 from fddp._pending import _DONATED, Deferred, PendingTensor, _finished, complete_orphans
-from fddp._schedule import _backend, _reinplace
-from fddp._schedule._graph import alias_root, is_collective, is_wait, mutated_inputs, nbytes
-from fddp._schedule._overlap import dependencies, dependents
 
 # The share of a step's all-reduced bytes, launched last, whose waits and updates are deferred.
 DEFERRED_SHARE = 0.5

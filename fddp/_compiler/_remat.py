@@ -17,10 +17,10 @@ from torch.fx import traceback as fx_traceback
 
 from fddp import _model_calls, _remat
 from fddp._annotations import FORWARD, REMAT_BLOCK, REMAT_NAME, REMAT_RECOMPUTED, REMAT_REGION
+from fddp._compiler import _cost, _repeated
+from fddp._compiler._graph import is_collective, is_wait, mutated_inputs, storage
 from fddp._errors import UsageValueError
 from fddp._remat import Policy
-from fddp._schedule import _cost, _repeated
-from fddp._schedule._graph import is_collective, is_wait, mutated_inputs, storage
 
 _aten = torch.ops.aten
 # matrix products whose operands carry no batch dimension (JAX's dot_general without batch dims)
