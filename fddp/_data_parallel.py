@@ -443,8 +443,8 @@ def data_parallel(
         axes: more named axes for the step's collectives, each over a subgroup of ``group``
             (every rank passes its own subgroup of each name): a 2-D mesh, such as hybrid
             sharding's ``{"shard": ranks_of_my_node, "replicate": my_peers_on_other_nodes}``
-            (README, "Hybrid sharding"). ``axis_name`` still names the whole group. Steps
-            with ``axes`` are not written to the persistent program cache.
+            (docs/guides/from-fsdp2.md, "Hybrid sharding"). ``axis_name`` still names the whole
+            group. Steps with ``axes`` are not written to the persistent program cache.
         trace: False runs ``step_fn`` eagerly (collectives bucketed per call, no overlap).
         check_replicas: arguments that must be identical on every rank; True means argument
             0 (the parameters), False none. On the first call with each signature one small
@@ -465,8 +465,8 @@ def data_parallel(
             ``fddp.save``, ``fddp.block_until_ready``); results are bitwise those of the
             plain step. Only for steps where communication is the bottleneck, and measure:
             it moves half the launches to the end of the backward pass, which costs where
-            the wire had been idle (README, "Overlap across steps"). Touching an output every
-            step (``loss.item()``) makes the step wait for it. Needs ``compile=False``.
+            the wire had been idle (docs/how-it-works.md, "The passes"). Touching an output
+            every step (``loss.item()``) makes the step wait for it. Needs ``compile=False``.
         remat: a policy from ``fddp.remat_policies``: activations are recomputed in the
             backward pass instead of kept from the forward (activation checkpointing). It
             applies to the regions ``fddp.remat`` marks that have no policy of their own;
@@ -474,13 +474,13 @@ def data_parallel(
             ``ModuleList`` or ``Sequential`` with an identical sibling) is a region, and
             without those each forward pass. Gradients are bitwise those without it;
             ``schedule()`` lists what each region keeps and recomputes, and the bytes
-            (README, "Rematerialisation").
+            (docs/guides/remat.md).
         invariant: a chunk size or :class:`fddp.Invariant`: bitwise the same results on any
             number of ranks, under ``fddp.vmap`` and with any bucket cap. ``value_and_grad``
             and ``grad`` inside the step compute the loss (a mean over examples) and its
             gradient per chunk of the batch argument and average them exactly over the global
             batch (int64 on the wire); ``pmean`` of their results returns them as they are.
-            Every rank's batch must be a multiple of the chunk size (README, "Invariant mode").
+            Every rank's batch must be a multiple of the chunk size (docs/guides/determinism.md).
 
     Every rank must build the step with the same options and call it at the same points: on
     every call the ranks compare the step, its options and the arguments' signature (one small

@@ -35,16 +35,17 @@ class Invariant(NamedTuple):
     they are. So any number of ranks, ``fddp.vmap`` replicas and any bucket cap give bitwise
     the same parameters.
 
-    Args:
+    Attributes:
         chunk_size: examples per chunk; every rank's batch must be a multiple of it.
         batch_argnum: which positional argument of the differentiated function is the batch
             (every tensor leaf has the examples along dim 0); the others are taken whole.
         fraction_bits: the fixed point's bits below each leaf's largest magnitude; at most
             ``2 ** (62 - fraction_bits)`` chunks per global batch.
 
-    >>> import fddp
-    >>> fddp.Invariant(chunk_size=8)
-    Invariant(chunk_size=8, batch_argnum=-1, fraction_bits=46)
+    Example:
+        >>> import fddp
+        >>> fddp.Invariant(chunk_size=8)
+        Invariant(chunk_size=8, batch_argnum=-1, fraction_bits=46)
     """
 
     chunk_size: int

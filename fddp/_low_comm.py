@@ -628,7 +628,10 @@ def local_sgd(
             gradients (outputs you ``pmean`` yourself cost a collective on every call).
         every: inner steps between averages (H); ``every=1`` is synchronous data
             parallelism with the mean taken after the update instead of before it.
-        axis_name, group, compile, bucket_cap_mb: as for ``fddp.data_parallel``.
+        axis_name: as for ``fddp.data_parallel``.
+        group: as for ``fddp.data_parallel``.
+        compile: as for ``fddp.data_parallel``.
+        bucket_cap_mb: as for ``fddp.data_parallel``.
         donate_argnums: arguments of the call (1 is the parameters) whose storage the step
             may reuse.
 
@@ -700,7 +703,10 @@ def diloco(
             alpha, which found 0.5 good); 0 replaces them.
         comm_dtype: dtype the outer gradients are sent in (``torch.bfloat16``); None sends
             them in the parameters' dtype.
-        axis_name, group, compile, bucket_cap_mb: as for ``fddp.data_parallel``.
+        axis_name: as for ``fddp.data_parallel``.
+        group: as for ``fddp.data_parallel``.
+        compile: as for ``fddp.data_parallel``.
+        bucket_cap_mb: as for ``fddp.data_parallel``.
         donate_argnums: arguments of the call (1 is the parameters) whose storage the step
             may reuse.
 

@@ -414,8 +414,8 @@ def _refuse_unrecoverable(opt_state: Any) -> None:
                 "recoverable: the optimizer state is sharded (fddp.optim.shard_state): each "
                 "rank holds the only copy of its 1/N of the moments, which dies with the rank. "
                 "Use a replicated optimizer (e.g. fddp.optim.adamw) with recoverable, or keep "
-                "shard_state and restart from fddp.save_sharded checkpoints (README, "
-                "'Restarts, deep models and many ranks')."
+                "shard_state and restart from fddp.save_sharded checkpoints (docs/guides/"
+                "restarts-deep-models.md)."
             )
         if isinstance(node, LowCommState):
             raise ValueError(

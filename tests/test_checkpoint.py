@@ -434,7 +434,7 @@ def test_load_places_tensors_on_like_devices(tmp_path: Path) -> None:
     assert torch.equal(mixed["b"], torch.arange(2.0))
 
 
-# --- Soundness under concurrency, crashes, full disks and misuse (issue 12) ---
+# --- Soundness under concurrency, crashes, full disks and misuse ---
 
 
 def _big_tree(seed: int) -> dict:

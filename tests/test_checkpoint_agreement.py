@@ -1,4 +1,4 @@
-"""Checkpoints agree across ranks (issue 36): a sharded checkpoint is saved and loaded over the
+"""Checkpoints agree across ranks: a sharded checkpoint is saved and loaded over the
 group its shards were cut over, every rank loads the same save, a fully sharded ``like`` is
 matched leaf by leaf with the saved full tree, a file of one rank's shards is not loaded on
 another, and a ``rank0_only`` save of per-rank DiLoCo values is refused.
@@ -68,7 +68,7 @@ def _sharded_tree(seed: float) -> dict:
 
 
 def check_hsdp_over_the_shard_group(tmp: str) -> dict:
-    """Row 1: saved over the world (the default), HSDP state was written as wrong shards; now
+    """Saved over the world (the default), HSDP state was written as wrong shards; now
     refused on every rank before anything is written, and a save and load over the shard group
     give the tree back exactly."""
     mesh = _mesh()
@@ -135,7 +135,7 @@ def _load_while_another_job_publishes(tmp: str, name: str, remove_first: bool) -
 
 
 def check_one_save_for_every_rank(tmp: str) -> None:
-    """Row 2: another job publishes save 2 at the path after rank 0 has read the manifest of
+    """Another job publishes save 2 at the path after rank 0 has read the manifest of
     save 1 and before rank 1 enters load_sharded. Before, rank 1 loaded save 2 (a mixed
     model); now every rank loads save 1, the one rank 0 opened."""
     out = _load_while_another_job_publishes(tmp, "published", remove_first=False)
@@ -144,7 +144,7 @@ def check_one_save_for_every_rank(tmp: str) -> None:
 
 
 def check_one_save_or_an_error(tmp: str) -> dict:
-    """Row 2, where the other job also deleted save 1 before rank 1 could open it: before,
+    """Where the other job also deleted save 1 before rank 1 could open it: before,
     rank 1 loaded save 2 (a mixed model); now every rank raises, naming both saves."""
     out = _load_while_another_job_publishes(tmp, "deleted", remove_first=True)
     if "error" not in out:
@@ -154,7 +154,7 @@ def check_one_save_or_an_error(tmp: str) -> dict:
 
 
 def check_fully_sharded_like_by_path(tmp: str) -> dict:
-    """Row 3: a fully sharded checkpoint loaded into a ``like`` whose full tree has a leaf
+    """A fully sharded checkpoint loaded into a ``like`` whose full tree has a leaf
     transposed, renamed, split or two leaves swapped: before, loaded silently (the buckets
     are as long), values misplaced; now a UsageValueError naming the leaf, on every rank."""
     full = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.arange(4.0) + 10}
@@ -179,7 +179,7 @@ def check_fully_sharded_like_by_path(tmp: str) -> dict:
 
 
 def check_per_rank_file_on_another_rank(tmp: str) -> str | None:
-    """Row 4: each rank saves its shards with fddp.save(rank0_only=False); every rank then
+    """Each rank saves its shards with fddp.save(rank0_only=False); every rank then
     loads ckpt-0. Before, ranks 1-3 took rank 0's shards; now they raise, and each rank's
     own file loads exactly."""
     rank = dist.get_rank()
@@ -202,7 +202,7 @@ def _inner_step(params, opt_state, x):
 
 
 def check_diloco_rank0_only_mid_way(tmp: str) -> str:
-    """Row 5: DiLoCo saved with fddp.save (rank0_only=True, the default) one call into H=4:
+    """DiLoCo saved with fddp.save (rank0_only=True, the default) one call into H=4:
     before, rank 0's inner parameters were written and every rank resumed from them; now
     refused on every rank, nothing written. The replicated LowCommState alone saves."""
     rank = dist.get_rank()

@@ -158,7 +158,7 @@ def _full_manifest():
 
 
 def _check_disk_full(tmp: str) -> None:
-    """Row 3: ENOSPC on rank 1's shard, on rank 0's .metadata, in rank 0's manifest. Before,
+    """ENOSPC on rank 1's shard, on rank 0's .metadata, in rank 0's manifest. Before,
     the previous checkpoint was destroyed and DCP raised 'unexpected pos'; now every rank
     raises OSError(ENOSPC) naming the path, and the previous checkpoint loads as it was."""
     rank = dist.get_rank()
@@ -198,7 +198,7 @@ def _flip_in_shards(path: str, old: bytes, byte: int, bit: int) -> str:
 
 
 def _check_bit_flip(tmp: str) -> None:
-    """Row 4: one bit flipped in a shard file. Before, w[500] loaded as 125.0 (saved 500.0)
+    """One bit flipped in a shard file. Before, w[500] loaded as 125.0 (saved 500.0)
     silently; now a ValueError naming the file."""
     path = os.path.join(tmp, "flip")
     tree = _rank_tree(0)
@@ -229,7 +229,7 @@ def _dcp_save_as_before(path: str, tree) -> None:
 
 
 def _check_crafted_pickles(tmp: str) -> None:
-    """Row 5: a crafted .metadata (a pickle), in a checkpoint with a manifest whose checksums
+    """A crafted .metadata (a pickle), in a checkpoint with a manifest whose checksums
     were updated to match, and in a plain DCP directory; and a crafted non-tensor leaf.
     Before, the pickled code ran inside load_sharded; now nothing runs and ValueError says so.
     A plain DCP directory of today's keys still loads (no checksums to verify)."""
@@ -272,7 +272,7 @@ def _check_crafted_pickles(tmp: str) -> None:
 
 
 def _check_dtype_mismatch(tmp: str) -> None:
-    """Row 6: `like` of another dtype. Before, silently cast (to float64, lossy bf16,
+    """`like` of another dtype. Before, silently cast (to float64, lossy bf16,
     truncated int32); now ValueError naming each leaf and both dtypes."""
     path = os.path.join(tmp, "dtypes")
     tree = _rank_tree(1)
@@ -297,7 +297,7 @@ def _check_dtype_mismatch(tmp: str) -> None:
 
 
 def _check_shard_state_with_fddp_save(tmp: str) -> None:
-    """Row 7: a shard_state state saved with fddp.save (rank 0 writes). Before, no error,
+    """A shard_state state saved with fddp.save (rank 0 writes). Before, no error,
     every rank loaded rank 0's shard and the parameters drifted; now refused on every rank,
     naming save_sharded, before anything is written."""
     path = os.path.join(tmp, "replicated.pt")
@@ -312,7 +312,7 @@ def _check_shard_state_with_fddp_save(tmp: str) -> None:
 
 
 def _check_clear_errors(tmp: str) -> None:
-    """Row 8: each broken checkpoint or mismatch raises one fddp error (an OSError or
+    """Each broken checkpoint or mismatch raises one fddp error (an OSError or
     ValueError, so `except Exception` catches it) whose first line names the path or leaf and
     the cause. Before: CheckpointException (a BaseException) and 10-25 lines of traceback."""
     rank = dist.get_rank()
@@ -433,7 +433,7 @@ def _assert_previous_intact(directory: Path) -> None:
 
 
 def test_kill_as_a_rank_opens_its_shard_file_keeps_the_previous_checkpoint(killed) -> None:
-    """Row 1: rank 1 SIGKILLed as it opens its shard file; rank 0 wrote its own. Before, the
+    """Rank 1 SIGKILLed as it opens its shard file; rank 0 wrote its own. Before, the
     load returned a mix (moments half from each save); now the previous checkpoint loads as
     it was, and the surviving rank 0 removed the unpublished directory."""
     job, directory = killed()["open"]
@@ -445,7 +445,7 @@ def test_kill_as_a_rank_opens_its_shard_file_keeps_the_previous_checkpoint(kille
 
 
 def test_kill_mid_write_keeps_the_previous_checkpoint(killed) -> None:
-    """Row 2: rank 0 SIGKILLed after writing part of its shard file. Before, the previous
+    """Rank 0 SIGKILLed after writing part of its shard file. Before, the previous
     checkpoint was destroyed (old .metadata, truncated shard); now it is intact, and the next
     save removes the directory the dead save left."""
     job, directory = killed()["write"]
@@ -460,7 +460,7 @@ def test_kill_mid_write_keeps_the_previous_checkpoint(killed) -> None:
 
 
 def test_kill_mid_save_to_a_new_path_leaves_a_clear_error(killed) -> None:
-    """Row 8, partial directory: a process SIGKILLed mid-save to a new path. Before, loading
+    """A process SIGKILLed mid-save to a new path. Before, loading
     it raised DCP's CheckpointException (a BaseException) with a traceback; now
     FileNotFoundError, whose first line names the path and the cause. The next save removes
     what the dead one left."""
@@ -483,7 +483,7 @@ def test_kill_mid_save_to_a_new_path_leaves_a_clear_error(killed) -> None:
 
 @pytest.mark.parametrize("mode", ["open", "write"])
 def test_the_surviving_rank_raises_rank_failure_error(killed, mode: str) -> None:
-    """Row 9: the rank whose peer was killed inside save_sharded. Before, gloo's raw
+    """The rank whose peer was killed inside save_sharded. Before, gloo's raw
     RuntimeError: Connection closed by peer; now fddp.RankFailureError."""
     outcome = _survivor(mode, killed()[mode][0])
     assert outcome["type"] == "RankFailureError", outcome

@@ -229,14 +229,14 @@ def test_params_that_do_not_match_the_state_by_path_are_refused(passed, says):
         dstep(state, passed, torch.ones(3))
 
 
-# --- the README's simulation under fddp.vmap ---
+# --- the slow-network guide's simulation under fddp.vmap ---
 
 
 def test_the_readme_vmap_call_simulates_the_ranks():
     apply, params = _model()
     opt = optim.sgd(0.1)
 
-    def inner_step(params, opt_state, x, y):  # README, "When the network is slow"
+    def inner_step(params, opt_state, x, y):  # docs/guides/slow-network.md
         loss, grads = fddp.value_and_grad(lambda p: F.mse_loss(apply(p, {}, x), y))(params)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optim.apply_updates(params, updates), opt_state, loss

@@ -190,10 +190,7 @@ def test_replayed_graph_computes_what_make_fx_records(kind, monkeypatch):
     elif kind != "different scales":  # those are grouped by scale: none has an equal
         assert calls == 0, f"{calls} blocks replayed"
     assert _targets(replayed.graph.graph) == _targets(traced.graph.graph)
-    got, want = _outputs(replayed, args), _outputs(traced, args)
-    assert len(got) == len(want)
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
+    assert_trees_equal(_outputs(replayed, args), _outputs(traced, args))
 
 
 def test_blocks_that_differ_in_a_plain_attribute_get_templates_of_their_own(monkeypatch):
@@ -205,8 +202,7 @@ def test_blocks_that_differ_in_a_plain_attribute_get_templates_of_their_own(monk
     replayed, calls = _capture(step, args, monkeypatch, replay=True)
     traced, _ = _capture(step, args, monkeypatch, replay=False)
     assert calls == 6
-    for a, b in zip(_outputs(replayed, args), _outputs(traced, args)):
-        assert torch.equal(a, b)
+    assert_trees_equal(_outputs(replayed, args), _outputs(traced, args))
 
 
 class Squashed(nn.Module):

@@ -17,6 +17,7 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
+from _compare import assert_trees_close, assert_trees_equal
 from _dist import run_checks
 from _models import captured_counting_replays, captured_step, next_token_loss, token_batch
 from torch import nn
@@ -359,13 +360,9 @@ def _check(case: str, monkeypatch, frozen: tuple[str, ...] = ()) -> int:
     got, calls = _run(*_step(_model(case), frozen), monkeypatch, replay=True)
     want, none = _run(*_step(_model(case), frozen), monkeypatch, replay=False)
     assert none == 0
-    assert len(got) == len(want)
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
+    assert_trees_equal(got, want)
     reference = optree.tree_leaves(_eager(*_step(_model(case), frozen)))
-    assert len(reference) == len(want)
-    for a, b in zip(want, reference):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert_trees_close(want, reference, rtol=1e-5, atol=1e-6)
     return calls
 
 

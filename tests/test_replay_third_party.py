@@ -9,6 +9,7 @@ from __future__ import annotations
 import optree
 import pytest
 import torch
+from _compare import assert_trees_close, assert_trees_equal
 from _models import captured_counting_replays, token_batch
 from torch import nn
 from transformers import (
@@ -127,9 +128,5 @@ def test_replayed_capture_equals_the_capture_without_replay(name, frozen, monkey
     got, calls, step, args = _run(name, frozen, monkeypatch, replay=True)
     want, none, _, _ = _run(name, frozen, monkeypatch, replay=False)
     assert (calls, none) == (EXPECTED[name], 0)
-    assert len(got) == len(want)
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
-    reference = optree.tree_leaves(step(*args))
-    for a, b in zip(want, reference):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert_trees_equal(got, want)
+    assert_trees_close(want, optree.tree_leaves(step(*args)), rtol=1e-4, atol=1e-6)

@@ -92,8 +92,9 @@ def shard_state(
             averaged over this axis too (an all-reduce of ``1/N`` of the gradient bytes), so
             the updates are the mean over both axes; the state is ``1/N`` of the whole on
             each rank, ``N`` the size of ``axis_name``. Inside ``data_parallel``, bind it with
-            ``axes`` (README, "Hybrid sharding"). Each of its groups holds one rank of each
-            ``axis_name`` group; in a step with such an axis, leaving it unset is an error.
+            ``axes`` (docs/guides/from-fsdp2.md, "Hybrid sharding"). Each of its groups holds
+            one rank of each ``axis_name`` group; in a step with such an axis, leaving it unset
+            is an error.
 
     The state records the process group it was cut over; ``update`` refuses it where
     ``axis_name`` is bound to another group.
