@@ -15,6 +15,8 @@ import fddp.optim as optim
 
 SIZES = (64, 256, 256, 256, 8)
 STEP_EVENT = "fddp.step"  # the range each step is recorded under
+LAUNCH = "_c10d_functional::all_reduce_"  # the main thread's launch of a collective
+WAIT = "_c10d_functional::wait_tensor"
 
 
 def _is_comm(event: dict) -> bool:
@@ -74,9 +76,19 @@ def test_trace_is_chrome_json_with_overlapping_compute_and_comm(tmp_path):
         assert len(steps) == 4 and compute and len(comms) >= 4 * len(overlapped)
         flagged = [c for c in comms if c["args"].get("collective") == most]
         assert len(flagged) == 4, "every step's collectives are numbered in launch order"
-        assert any(_overlaps(c, op) for c in flagged for op in compute), (
-            f"rank {rank}: no operator ran while collective {most} was in flight"
-        )
+        for n, step in enumerate(steps):
+            inside = [e for e in mine if _overlaps(e, step)]
+            launches = sorted((e for e in inside if e["name"] == LAUNCH), key=lambda e: e["ts"])
+            waits = [e for e in inside if e["name"] == WAIT]
+            assert len(launches) == len(waits) == len(overlapped), (rank, n)
+            launched = launches[most]["ts"] + launches[most]["dur"]
+            waited = max(e["ts"] for e in waits)
+            between = [
+                op for op in compute if launched <= op["ts"] < waited and _overlaps(op, step)
+            ]
+            assert between, (
+                f"rank {rank}, step {n}: no operator ran after collective {most}'s launch"
+            )
     png = tmp_path / "trace.png"
     fddp.plot_timeline(path, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
