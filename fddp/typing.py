@@ -23,6 +23,7 @@ Example:
 """
 
 from fddp._compiler._plan import CollectivePlan, Plan
+from fddp._compiler._remat import RegionPlan, RematPlan, SavedValue
 from fddp._data_parallel import DataParallelStep
 from fddp._low_comm import LowCommStep, Phase
 from fddp._powersgd import PowerSGD, PowerSGDState
@@ -54,6 +55,9 @@ __all__ = [
     "Plan",
     "PowerSGD",
     "PowerSGDState",
+    "RegionPlan",
+    "RematPlan",
+    "SavedValue",
     "ScalarOrSchedule",
     "TensorTree",
     "TransformInitFn",
