@@ -252,3 +252,38 @@ def test_concurrent_jobs_share_a_directory(tmp_path):
     assert_trees_equal(outputs[1], outputs[0])
     assert_trees_equal([out for _, out, _ in later], outputs[0])
     assert list(Path(directory).rglob(".writing-*")) == []  # no temporary file left behind
+
+
+def _dropout_step(opt):
+    """A step whose remat region recomputes dropout: its program replays the generator state."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(SIZES[0], SIZES[1]), torch.nn.Dropout(0.5), torch.nn.Linear(*SIZES[1:])
+    )
+    apply = fddp.functional(model)
+
+    def step(params, opt_state, batch):
+        forward = fddp.remat(
+            lambda p: apply(p, {}, batch["x"]), policy=fddp.remat_policies.nothing_saveable
+        )
+        loss, grads = fddp.value_and_grad(
+            lambda p: torch.nn.functional.mse_loss(forward(p), batch["y"])
+        )(params)
+        updates, opt_state = opt.update(fddp.pmean(grads), opt_state, params)
+        return optim.apply_updates(params, updates), opt_state, loss
+
+    return step, fddp.state(model)[0]
+
+
+def test_a_step_that_replays_random_ops_is_loaded_too(cache):
+    opt = optim.adamw(1e-2)
+    step, params = _dropout_step(opt)
+    torch.manual_seed(1)
+    fresh, how = _train(step, params, opt)
+    torch.manual_seed(1)
+    loaded, how_loaded = _train(step, params, opt)
+    assert how == "make_fx" and how_loaded == f"make_fx, {LOADED}"
+    assert_trees_equal(loaded, fresh)
+    torch.manual_seed(2)
+    other, _ = _train(step, params, opt)  # the dropout masks come from the generator
+    assert not torch.equal(other[2][0], fresh[2][0])

@@ -31,23 +31,40 @@ _PYTHON_TARGETS: dict[tuple[str, str], Callable[..., Any]] = {
     ("fddp._compiler._gate", "signature_gate"): _gate.signature_gate,
 }
 _TARGET_NAMES = {id(fn): key for key, fn in _PYTHON_TARGETS.items()}
+# The higher-order operators the compiler inserts itself (remat's generator-state replay).
+_HIGHER_ORDER = ("run_and_save_rng_state", "run_with_rng_state")
 _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
 
 
 def _encode_target(target: Any) -> tuple:
     if isinstance(target, torch._ops.OpOverload):
         return ("op", target.namespace, target._opname, target._overloadname)
+    if _stored_higher_order(target):
+        return ("higher_order", target.name())
     key = _TARGET_NAMES.get(id(target))
     if key is None:
         raise NotStorable(f"graph calls {target!r}")
     return ("python", *key)
 
 
+def _stored_higher_order(value: Any) -> bool:
+    """Whether ``value`` is one of :data:`_HIGHER_ORDER`, the instance torch registers."""
+    if not isinstance(value, torch._ops.HigherOrderOperator) or value.name() not in _HIGHER_ORDER:
+        return False
+    return getattr(torch.ops.higher_order, value.name()) is value
+
+
+def _op_overload(encoded: tuple) -> torch._ops.OpOverload:
+    namespace, name, overload = encoded
+    return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+
+
 def _decode_target(encoded: tuple) -> Any:
     kind, *rest = encoded
     if kind == "op":
-        namespace, name, overload = rest
-        return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+        return _op_overload(tuple(rest))
+    if kind == "higher_order":
+        return getattr(torch.ops.higher_order, rest[0])
     return _PYTHON_TARGETS[tuple(rest)]
 
 
@@ -74,6 +91,8 @@ def _encode_arg(arg: Any) -> Any:
         return ("device", str(arg))
     if isinstance(arg, _TORCH_VALUES):
         return ("torch", str(arg).removeprefix("torch."))
+    if isinstance(arg, torch._ops.OpOverload):  # the op a higher-order operator runs
+        return ("op", (arg.namespace, arg._opname, arg._overloadname))
     if arg is None or isinstance(arg, (bool, int, float, str)):
         return arg
     raise NotStorable(f"graph argument {arg!r}")
@@ -94,6 +113,8 @@ def _decode_arg(arg: Any, nodes: dict[str, fx.Node]) -> Any:
         return slice(*(_decode_arg(x, nodes) for x in value))
     if tag == "device":
         return torch.device(value)
+    if tag == "op":
+        return _op_overload(value)
     found = getattr(torch, value)
     assert isinstance(found, _TORCH_VALUES)
     return found
@@ -147,6 +168,8 @@ class Stored:
 
 
 def _encode_global(value: Any) -> tuple:
+    if _stored_higher_order(value):
+        return ("higher_order", value.name())
     if isinstance(value, types.ModuleType):
         return ("module", value.__name__)
     if isinstance(value, float):
@@ -172,6 +195,8 @@ def _decode_global(encoded: tuple) -> Any:
         return sys.modules.get(rest[0]) or importlib.import_module(rest[0])
     if kind == "float":
         return float(rest[0])
+    if kind == "higher_order":
+        return getattr(torch.ops.higher_order, rest[0])
     if kind == "none":
         return None if rest[0] else type(None)
     return _resolve(*rest)
