@@ -630,8 +630,9 @@ def _data_parallel(
                 "invariant mode reduces gradients as exact int64 sums; comm_dtype would cast "
                 "them. Use one or the other."
             )
+        _invariant.check_backend(backend)
         described.append(("option invariant", repr(chunked)))
-        step_fn = _invariant.wrapped(chunked, axis_name, step_fn)
+        step_fn = _invariant.wrapped(chunked, axis_name, step_fn, sub_axes=tuple(more_axes))
     return DataParallelStep(
         step_fn,
         axis_name=axis_name,

@@ -75,18 +75,41 @@ def checked(invariant: Invariant | int | None) -> Invariant | None:
     return invariant
 
 
+def check_backend(backend: str) -> None:
+    """Refuse a ``data_parallel`` backend the mode cannot vouch for (every rank alike, at build)."""
+    if backend != "fx":
+        raise UsageValueError(
+            f"invariant= with compile=True ({backend!r}): Inductor fuses and generates kernels "
+            "for the graph as a whole, and the graph holds as many chunks as this rank's "
+            "batch, so its choices, and with them the bits of a chunk's gradient, may "
+            "change with the world size. Use compile=False (the FX backend runs every chunk "
+            "with the same kernels on any world size)."
+        )
+
+
 def within(
-    invariant: Invariant, axis_name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any
+    invariant: Invariant,
+    axis_name: str,
+    sub_axes: tuple[str, ...],
+    fn: Callable[..., Any],
+    *args: Any,
+    **kwargs: Any,
 ) -> Any:
-    """``fn(*args, **kwargs)`` with the mode active over ``axis_name``."""
+    """``fn(*args, **kwargs)`` with the mode active over ``axis_name`` (``sub_axes``: axes
+    over subgroups of its group, such as ``data_parallel``'s ``axes``)."""
     run = functools.partial(_run, invariant)
-    with _invariant_marks.entered(_invariant_marks.Context(axis_name, run)):
+    with _invariant_marks.entered(_invariant_marks.Context(axis_name, run, sub_axes)):
         return fn(*args, **kwargs)
 
 
-def wrapped(invariant: Invariant, axis_name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+def wrapped(
+    invariant: Invariant,
+    axis_name: str,
+    fn: Callable[..., Any],
+    sub_axes: Sequence[str] = (),
+) -> Callable[..., Any]:
     """``fn`` running with the mode active; keeps ``fn``'s name for errors and reports."""
-    step = functools.partial(within, invariant, axis_name, fn)
+    step = functools.partial(within, invariant, axis_name, tuple(sub_axes), fn)
     functools.update_wrapper(step, fn)
     return step
 

@@ -18,11 +18,18 @@ from fddp._errors import UsageValueError
 class Context:
     """An active invariant mode: ``run`` computes a value_and_grad call per chunk (see
     ``fddp._invariant``); ``reduced`` holds the tensors it returned, already exact means over
-    the global batch, which ``pmean`` over ``axis_name`` passes through unchanged."""
+    the global batch, the same on every replica of ``axis_name`` and so of each of
+    ``sub_axes`` (axes over subgroups of its group): ``pmean`` over any of them passes them
+    through unchanged."""
 
     axis_name: str
     run: Callable[..., Any]
+    sub_axes: tuple[str, ...] = ()
     reduced: dict[int, weakref.ref] = dataclasses.field(default_factory=dict)
+
+    def covers(self, axis_name: str) -> bool:
+        """Whether the mode's results are the same on every replica of ``axis_name``."""
+        return axis_name == self.axis_name or axis_name in self.sub_axes
 
     def mark(self, tree: Any) -> None:
         for x in optree.tree_leaves(tree):
@@ -52,11 +59,19 @@ def active() -> Context | None:
     return _stack[-1] if _stack else None
 
 
-def passes_through(tree: Any, axis_name: str) -> bool:
-    """Whether ``pmean(tree, axis_name)`` is the identity: every tensor leaf was reduced by the
-    active mode over that axis. A tree that mixes reduced and other leaves is an error."""
+def covers(axis_name: str) -> bool:
+    """Whether the active mode's results are the same on every replica of ``axis_name``."""
     context = active()
-    if context is None or context.axis_name != axis_name:
+    return context is not None and context.covers(axis_name)
+
+
+def passes_through(tree: Any, axis_name: str, where: str = "pmean") -> bool:
+    """Whether a mean of ``tree`` over ``axis_name`` (``where``: ``pmean``, or a sharded
+    optimizer's reduce-scatter) is the identity: every tensor leaf was reduced by the active
+    mode, whose results are the same on every replica of that axis. A tree that mixes reduced
+    and other leaves is an error."""
+    context = active()
+    if context is None or not context.covers(axis_name):
         return False
     leaves = [x for x in optree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
     marked = [context.is_reduced(x) for x in leaves]
@@ -64,7 +79,7 @@ def passes_through(tree: Any, axis_name: str) -> bool:
         return False
     if not all(marked):
         raise UsageValueError(
-            "pmean: this tree mixes values that the invariant mode already reduced exactly "
+            f"{where}: this tree mixes values that the invariant mode already reduced exactly "
             "(the loss, gradients and aux that fddp.value_and_grad returned) with other "
             "tensors. Call pmean on them separately: on the former it returns them as they are, "
             "the latter are averaged as usual (and are not world-size invariant)."

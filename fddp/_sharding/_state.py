@@ -8,7 +8,7 @@ from typing import Any, NamedTuple, cast
 import optree
 import torch
 
-from fddp import _axes, _gathered
+from fddp import _axes, _gathered, _invariant_marks
 from fddp._axes import DEFAULT_AXIS
 from fddp._collectives import all_gather, axis_index, axis_size, pmean, psum_scatter
 from fddp._errors import UsageTypeError
@@ -16,6 +16,7 @@ from fddp._shard_axes import call_update, takes_shard_axes
 from fddp._sharding._group import Members, check_hybrid, check_members, members_of
 from fddp._sharding._layout import (
     Bucket,
+    _own_chunk,
     bucket_views,
     cap_bytes,
     flat_bucket,
@@ -149,9 +150,20 @@ def shard_state(
         leaves, spec = optree.tree_flatten(updates, none_is_leaf=False)
         n = axis_size(axis_name)
         buckets = layout_of(leaves, n, cap, "shard_state")
-        grads = [_reduce_scatter_mean(flat_bucket(leaves, b, n), n) for b in buckets]
-        if replicate_axis is not None:
-            grads = pmean(grads, replicate_axis)
+        if _invariant_marks.passes_through(leaves, axis_name, "shard_state's update"):
+            # already the exact mean on every replica (fddp.Invariant): its own shard is the
+            # mean a reduce-scatter would round again; cut by the traced index, so that every
+            # rank's graph keeps every reduced leaf and issues the same collectives
+            grads = [flat_bucket(leaves, b, n) for b in buckets]
+            if n > 1:
+                index = axis_index(axis_name)
+                grads = [_own_chunk(flat, b, index) for flat, b in zip(grads, buckets)]
+            if replicate_axis is not None and not _invariant_marks.covers(replicate_axis):
+                grads = pmean(grads, replicate_axis)
+        else:
+            grads = [_reduce_scatter_mean(flat_bucket(leaves, b, n), n) for b in buckets]
+            if replicate_axis is not None:
+                grads = pmean(grads, replicate_axis)
         param_shards = None
         gathered: list[_gathered.Piece | None] = [None] * len(buckets)
         if params is not None:
