@@ -140,6 +140,31 @@ def test_bitwise_equal_on_one_and_three_ranks(runs, name):
         assert_trees_equal(result, reference, what=f"{name}, 3 ranks, rank {rank}")
 
 
+def test_shard_state_under_vmap_equals_one_rank(runs):
+    """Three fddp.vmap replicas, each with its shard of the state, train as one rank does."""
+    net = _net()
+    params, _ = fddp.state(net)
+    apply = fddp.functional(net)
+    opt = optim.shard_state(optim.adamw(3e-2, weight_decay=0.01), bucket_cap_mb=TINY)
+
+    def step(p, s, x, y):
+        loss, g = fddp.value_and_grad(
+            lambda p, batch: F.mse_loss(apply(p, {}, batch[0]), batch[1])
+        )(p, (x, y))
+        u, s = opt.update(g, s, p)
+        return optim.apply_updates(p, u), s, fddp.pmean(loss)
+
+    replicas = 3
+    state = fddp.vmap(lambda p, _: opt.init(p), in_dims=(None, 0))(params, torch.arange(replicas))
+    sim = fddp.vmap(step, in_dims=(None, 0, 0, 0), out_dims=(None, 0, None), invariant=CHUNK)
+    with _one_thread():
+        torch.manual_seed(7)
+        for i in range(STEPS):
+            x, y = (t.unflatten(0, (replicas, -1)) for t in _batch(i))
+            params, state, loss = sim(params, state, x, y)
+    assert_trees_equal({"params": params, "loss": loss}, runs[1]["shard_state"])
+
+
 def test_compile_true_is_refused_at_build():
     def step(w, x):
         return w - fddp.pmean(fddp.grad(lambda w, x: (x @ w).square().mean())(w, x))
