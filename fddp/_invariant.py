@@ -33,7 +33,9 @@ class Invariant(NamedTuple):
     int64 on a scale all ranks agree on, the integers are summed (any order gives the same
     sum), and the mean is converted back once. ``fddp.pmean`` of these results returns them as
     they are. So any number of ranks, ``fddp.vmap`` replicas and any bucket cap give bitwise
-    the same parameters.
+    the same parameters, with ``overlap_steps``, ``shard_params``, ``shard_state`` and ``axes``
+    too (a mean of the results over the step's axes, or ``shard_state``'s reduce-scatter, is
+    the identity). ``compile=True`` is refused (docs/guides/determinism.md).
 
     Attributes:
         chunk_size: examples per chunk; every rank's batch must be a multiple of it.

@@ -78,10 +78,15 @@ def passes_through(tree: Any, axis_name: str, where: str = "pmean") -> bool:
     if not any(marked):
         return False
     if not all(marked):
+        fix = (
+            "Call pmean on them separately: on the former it returns them as they are, the "
+            "latter are averaged as usual (and are not world-size invariant)."
+            if where == "pmean"
+            else "Pass it only the gradients that fddp.value_and_grad returned."
+        )
         raise UsageValueError(
             f"{where}: this tree mixes values that the invariant mode already reduced exactly "
             "(the loss, gradients and aux that fddp.value_and_grad returned) with other "
-            "tensors. Call pmean on them separately: on the former it returns them as they are, "
-            "the latter are averaged as usual (and are not world-size invariant)."
+            f"tensors. {fix}"
         )
     return True
