@@ -33,7 +33,8 @@ import fddp
 import fddp.optim as optim
 from fddp._compiler._graph import is_compute, is_view
 
-STEPS = 20
+STEPS = 6  # momentum, Adam moments and accumulation carry over several steps
+SAVE_AT = 3  # the checkpoint step: runs resume with STEPS - SAVE_AT steps to go
 TOL = 1e-6
 TINY = 200 / 2**20  # 200-byte buckets: several per model, uneven over 2 and 3 ranks
 ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
@@ -220,21 +221,21 @@ def check_bf16_gathers(world: int, steps: int = STEPS) -> dict | None:
 
 
 def check_checkpoints(tmp: str) -> dict:
-    """3 ranks save fully sharded parameters and state at step 10, 2 load them, and back; a
-    replicated ZeRO-2 run loads the fully sharded checkpoint too. Each finishes the 20 steps."""
+    """3 ranks save fully sharded parameters and state at step SAVE_AT, 2 load them, and back;
+    a replicated ZeRO-2 run loads the fully sharded checkpoint too. Each finishes the STEPS."""
     rank, world, pair = torch.distributed.get_rank(), torch.distributed.group.WORLD, _pair()
     from3, from2 = os.path.join(tmp, "from3"), os.path.join(tmp, "from2")
-    _train(world, "gpt", "adamw", "full", steps=11, save_at=(from3, 10))
+    _train(world, "gpt", "adamw", "full", steps=SAVE_AT + 1, save_at=(from3, SAVE_AT))
     if rank < 2:
-        _train(pair, "gpt", "adamw", "full", steps=11, save_at=(from2, 10))
+        _train(pair, "gpt", "adamw", "full", steps=SAVE_AT + 1, save_at=(from2, SAVE_AT))
     torch.distributed.barrier()
     out = {}
     if rank < 2:
         want = _train(pair, "gpt", "adamw", "full")[0]
-        got = _train(pair, "gpt", "adamw", "full", start=(from3, 10))[0]
+        got = _train(pair, "gpt", "adamw", "full", start=(from3, SAVE_AT))[0]
         out["3->2"] = (want, got)
     want = _train(world, "gpt", "adamw", "full")[0]
-    got = _train(world, "gpt", "adamw", "full", start=(from2, 10))[0]
+    got = _train(world, "gpt", "adamw", "full", start=(from2, SAVE_AT))[0]
     out["2->3"] = (want, got)
     try:
         fddp.save(
