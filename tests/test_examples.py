@@ -19,7 +19,10 @@ EXAMPLES = ROOT / "examples"
 TIMEOUT_S = 240.0
 OUTPUT_TAIL_CHARS = 4000
 GPT_CHECKPOINT = "gpt.pt"
-# Each example with its arguments and ranks (under torchrun when more than one).
+# Each example with its arguments and ranks. train_gpt runs under torchrun as the README says;
+# the other multi-rank examples run as ranks forked from the fork server with the environment
+# torchrun sets (tests/_dist.py's Job.ranks), which spares each rank an import of torch.
+TORCHRUN = {"train_gpt"}
 RUNS = {
     "train_gpt": (
         "train_gpt.py",
@@ -59,18 +62,24 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def examples(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Job], Path]:
-    """Every example started at once (on 2 cores a one-process example leaves one idle); the
-    one-process examples fork from the fork server, which has imported torch and fddp."""
+    """Every example started at once (on 2 cores a one-process example leaves one idle); all
+    but the torchrun one fork from the fork server, which has imported torch and fddp."""
     tmp = tmp_path_factory.mktemp("examples")
     jobs = {}
     for name, (script, args, ranks) in RUNS.items():
         if name == "train_gpt":
             args = [*args, "--out", str(tmp / GPT_CHECKPOINT)]
-        launcher = [sys.executable]
-        if ranks > 1:
-            launcher = torchrun("--standalone", f"--nproc_per_node={ranks}")
-        command = [*launcher, str(EXAMPLES / script), *args]
-        jobs[name] = Job(name, [(command, script_env())], tmp, TIMEOUT_S, forked=ranks == 1)
+        argv = [str(EXAMPLES / script), *args]
+        if name in TORCHRUN:
+            command = [*torchrun("--standalone", f"--nproc_per_node={ranks}"), *argv]
+            jobs[name] = Job(name, [(command, script_env())], tmp, TIMEOUT_S)
+        elif ranks > 1:
+            jobs[name] = Job.ranks(
+                name, tmp, argv, world_size=ranks, timeout=TIMEOUT_S, forked=True
+            )
+        else:
+            command = [sys.executable, *argv]
+            jobs[name] = Job(name, [(command, script_env())], tmp, TIMEOUT_S, forked=True)
     try:
         yield jobs, tmp
     finally:
@@ -79,11 +88,12 @@ def examples(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Job], 
 
 
 def run_example(examples, name: str) -> str:
-    """The combined output of example ``name``, once it has exited with status 0."""
+    """The combined output of example ``name`` (every process's, in rank order), once each of
+    its processes has exited with status 0."""
     jobs, _ = examples
     job = jobs[name].wait()
-    output = job.output(0)
-    assert job.returncodes() == [0], (
+    output = "".join(job.output(i) for i in range(len(job.procs)))
+    assert job.returncodes() == [0] * len(job.procs), (
         f"{RUNS[name][0]} exited with {job.returncodes()}:\n{output[-OUTPUT_TAIL_CHARS:]}"
     )
     return output
