@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
-import subprocess
 import sys
 import textwrap
 import warnings
@@ -21,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from _compare import assert_trees_equal
+from _dist import Job, script_env
 
 import fddp
 
@@ -181,6 +180,8 @@ def test_a_changed_numpy_array(cache, where):
 
 _SCRIPT = """
 import json, sys
+sys.path.append(sys.argv[2])  # the site directory, as PYTHONPATH would put it
+sys.dont_write_bytecode = True  # an edit of equal size and second: no stale .pyc
 import torch
 import fddp
 import fakelib
@@ -226,20 +227,17 @@ def test_an_upgraded_installed_library(tmp_path, dist):
     site = tmp_path / "lib" / "site-packages"  # where installed code lives: keyed by version
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)
-    repository = Path(fddp.__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": f"{repository}{os.pathsep}{site}"}
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env = script_env(PYTHONDONTWRITEBYTECODE="1")
+    runs = iter(range(4))
 
     def run() -> dict:
-        done = subprocess.run(
-            [sys.executable, str(script), str(tmp_path / "programs")],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        """The script in a new process, forked from the fork server (which has imported torch
+        and fddp, and nothing of fakelib), as a restarted process would run it."""
+        command = [sys.executable, str(script), str(tmp_path / "programs"), str(site)]
+        job = Job(f"run{next(runs)}", [(command, env)], tmp_path, 300, forked=True).wait()
+        output = job.output(0)
+        assert job.returncodes() == [0], output[-6000:]
+        return json.loads([line for line in output.splitlines() if line.startswith("{")][-1])
 
     _install(site, dist, "1.0", 2.0)
     first = run()
