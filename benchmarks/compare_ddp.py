@@ -77,6 +77,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (torchrun)")
+    p.add_argument(
+        "--start-method",
+        choices=("spawn", "forkserver"),
+        default="spawn",
+        help="how ranks start: spawn (a fresh interpreter each) or forkserver (forked from one "
+        "process that has imported this script, for quick runs)",
+    )
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--tag", default="", help="appended to the result file names")
     p.add_argument("--no-plot", action="store_true")
@@ -533,11 +540,12 @@ def _rank_main(rank: int, world: int, port: int, job: Job, out_path: str) -> Non
     dist.destroy_process_group()
 
 
-def launch(job: Job, world: int) -> dict[str, Any]:
+def launch(job: Job, world: int, start_method: str = "spawn") -> dict[str, Any]:
     """Run ``job`` on ``world`` fresh processes; rank 0's results come back through a file."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
-        mp.spawn(_rank_main, args=(world, ranks.free_port(), job, path), nprocs=world, join=True)
+        args = (world, ranks.free_port(), job, path)
+        mp.start_processes(_rank_main, args, nprocs=world, join=True, start_method=start_method)
         with open(path) as f:
             return json.load(f)
 
@@ -563,7 +571,8 @@ def run_regime(args: argparse.Namespace, regime: str) -> dict[str, Any]:
     out = {}
     for name in args.workloads.split(","):
         start = time.perf_counter()
-        out[name] = launch(_job(args, name, specs=every, rounds=rounds), args.world_size)
+        job = _job(args, name, specs=every, rounds=rounds)
+        out[name] = launch(job, args.world_size, args.start_method)
         out[name]["wall_s"] = time.perf_counter() - start
         rows = report.variant_rows(out[name])
         medians = ", ".join(f"{r['name']} {r['median_ms']:.1f}" for r in rows)
@@ -581,7 +590,7 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
         out[name] = {}
         for spec in memory_specs:
             job = _job(args, name, specs=(), rounds=0, memory=spec, memory_steps=args.memory_steps)
-            out[name][spec.name] = launch(job, args.world_size)
+            out[name][spec.name] = launch(job, args.world_size, args.start_method)
             print(f"[memory] {name} {spec.name}: {report.memory_line(out[name][spec.name])}")
     return out
 
