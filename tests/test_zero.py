@@ -24,7 +24,8 @@ aten = torch.ops.aten
 ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 
-STEPS = 20
+STEPS = 8  # past the NaN at step 5; momentum and Adam moments carry over several steps
+SAVE_AT = 4  # the checkpoint step: runs resume with STEPS - SAVE_AT steps to go
 TOL = 1e-6
 TINY_BUCKETS = 40 / 2**20  # 40 bytes: several buckets, most of them uneven over 2 and 3
 
@@ -332,24 +333,24 @@ def check_sharded_equals_unsharded(world: str) -> dict | None:
 
 
 def check_checkpoints_across_world_sizes(tmp: str) -> dict:
-    """2 ranks save at step 10, 3 load; 3 save, 2 load; both finish the 20 steps."""
+    """2 ranks save at step SAVE_AT, 3 load; 3 save, 2 load; both finish the STEPS."""
     dist = torch.distributed
     rank = dist.get_rank()
     pair = _pair()
     opt = _optimizers()["clip_adamw"]
     pair_dir, world_dir = os.path.join(tmp, "from2"), os.path.join(tmp, "from3")
     if rank < 2:
-        _train(pair, _mlp_setup, opt, True, steps=11, save_at=(pair_dir, 10))
-    _train(dist.group.WORLD, _mlp_setup, opt, True, steps=11, save_at=(world_dir, 10))
+        _train(pair, _mlp_setup, opt, True, steps=SAVE_AT + 1, save_at=(pair_dir, SAVE_AT))
+    _train(dist.group.WORLD, _mlp_setup, opt, True, steps=SAVE_AT + 1, save_at=(world_dir, SAVE_AT))
     dist.barrier()
     out = {}
     want3, _ = _train(dist.group.WORLD, _mlp_setup, opt, False, steps=STEPS)
-    start = (pair_dir, 10)
+    start = (pair_dir, SAVE_AT)
     got3, _ = _train(dist.group.WORLD, _mlp_setup, opt, True, steps=STEPS, start=start, trace=True)
     out["2->3"] = _max_diff(want3, got3)
     if rank < 2:
         want2, _ = _train(pair, _mlp_setup, opt, False, steps=STEPS)
-        got2, _ = _train(pair, _mlp_setup, opt, True, steps=STEPS, start=(world_dir, 10))
+        got2, _ = _train(pair, _mlp_setup, opt, True, steps=STEPS, start=(world_dir, SAVE_AT))
         out["3->2"] = _max_diff(want2, got2)
     return out
 
