@@ -480,7 +480,9 @@ def data_parallel(
             and ``grad`` inside the step compute the loss (a mean over examples) and its
             gradient per chunk of the batch argument and average them exactly over the global
             batch (int64 on the wire); ``pmean`` of their results returns them as they are.
-            Every rank's batch must be a multiple of the chunk size (docs/guides/determinism.md).
+            Every rank's batch must be a multiple of the chunk size. It composes with
+            ``overlap_steps``, ``axes``, ``shard_params`` and ``shard_state``; ``compile=True``
+            is refused (docs/guides/determinism.md).
 
     Every rank must build the step with the same options and call it at the same points: on
     every call the ranks compare the step, its options and the arguments' signature (one small
