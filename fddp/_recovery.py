@@ -16,10 +16,10 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp import _runtime
+from fddp import _invariant, _runtime
 from fddp._axes import DEFAULT_AXIS
 from fddp._collectives import pmean, psum
-from fddp._data_parallel import DataParallelStep, _data_parallel
+from fddp._data_parallel import DataParallelStep, _backend, _data_parallel
 from fddp._errors import RankFailureError
 from fddp._grad import value_and_grad
 from fddp._low_comm import LowCommState, describe
@@ -622,6 +622,8 @@ def recoverable(
             f"recoverable: optimizer is a {type(optimizer).__name__}; pass an fddp.optim "
             "transformation (e.g. fddp.optim.adamw(1e-3))."
         )
+    if invariant:
+        _invariant.check_backend(_backend(compile))
     return RecoverableStep(
         loss_fn,
         optimizer,

@@ -205,4 +205,15 @@ def test_rejects_bad_options_before_forming_a_group():
         fddp.recoverable(
             lambda p, b: p, opt, store=store, rank=0, world_size=1, micro_batches=1, admit_every=0
         )
+    with pytest.raises(ValueError, match="invariant= with compile=True"):
+        fddp.recoverable(
+            lambda p, b: p,
+            opt,
+            store=store,
+            rank=0,
+            world_size=1,
+            micro_batches=1,
+            invariant=True,
+            compile=True,
+        )
     assert not dist.is_initialized()
