@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
-from workloads import WORKLOADS, Workload, build_model, param_count, rank_batches
+from workloads import SMALL_WORKLOADS, WORKLOADS, Workload, build_model, param_count, rank_batches
 
 import fddp
 import fddp.optim as optim
@@ -54,6 +54,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--block", type=int, default=2, help="steps per interleaved block")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after the first call")
     p.add_argument("--batch", type=int, help="rows per rank instead of each workload's own")
+    p.add_argument(
+        "--small",
+        action="store_true",
+        help="the mlp, gpt and cnn workloads at a fraction of their sizes (a quick check)",
+    )
     p.add_argument("--sweep", action="store_true", help="bucket sizes 1..100 MiB, fddp and DDP")
     p.add_argument("--sweep-mb", default=",".join(f"{m:g}" for m in SWEEP_MB))
     p.add_argument("--ddp-bucket-mb", type=float, default=5.0, help="DDP 'tuned' without --sweep")
@@ -399,6 +404,7 @@ class Job:
     memory: Spec | None = None
     memory_steps: int = 5
     batch: int | None = None  # rows per rank instead of each workload's own
+    small: bool = False  # SMALL_WORKLOADS instead of WORKLOADS
 
 
 def _timed(variant: Variant, batch: Batch, device: torch.device) -> float:
@@ -528,7 +534,7 @@ def _read_status(field: str) -> int:
 def _rank_main(rank: int, world: int, port: int, job: Job, out_path: str) -> None:
     ranks.join_world(rank, world, port, job.threads)
     device = torch.device("cuda", rank) if job.device == "cuda" else torch.device("cpu")
-    workload = WORKLOADS[job.workload]
+    workload = (SMALL_WORKLOADS if job.small else WORKLOADS)[job.workload]
     if job.batch is not None:
         workload = dataclasses.replace(workload, per_rank=job.batch)
     run = time_variants if job.memory is None else measure_memory
@@ -561,6 +567,7 @@ def _job(args: argparse.Namespace, workload: str, **kwargs: Any) -> Job:
         device=args.device,
         threads=args.threads,
         batch=args.batch,
+        small=args.small,
         **kwargs,
     )
 

@@ -184,6 +184,44 @@ WORKLOADS = {
 }
 
 
+def _small_mlp() -> nn.Module:
+    layers: list[nn.Module] = [nn.Linear(128, 128)]
+    for _ in range(7):
+        layers += [nn.GELU(), nn.Linear(128, 128)]
+    layers += [nn.GELU(), nn.Linear(128, 10)]
+    return nn.Sequential(*layers)
+
+
+def _small_mlp_batch(rows: int, gen: torch.Generator) -> Batch:
+    return torch.randn(rows, 128, generator=gen), torch.randint(0, 10, (rows,), generator=gen)
+
+
+SMALL_VOCAB, SMALL_SEQ = 512, 32
+
+
+def _small_gpt() -> nn.Module:
+    return GPT(SMALL_VOCAB, SMALL_SEQ, dim=64, heads=4, layers=2)
+
+
+def _small_cnn() -> nn.Module:
+    stem = [nn.Conv2d(3, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU()]
+    return _resnet(stem, (8, 16), classes=10)
+
+
+# The mlp, gpt and cnn workloads' layouts at a fraction of their sizes: a quick end-to-end run of
+# a benchmark (compare_ddp --small), not a measurement.
+SMALL_WORKLOADS = {
+    w.name: w
+    for w in (
+        Workload("mlp", _small_mlp, _small_mlp_batch, F.cross_entropy, per_rank=4),
+        Workload(
+            "gpt", _small_gpt, _token_batches(SMALL_VOCAB, SMALL_SEQ), _token_loss, per_rank=2
+        ),
+        Workload("cnn", _small_cnn, _images(16, 10), F.cross_entropy, per_rank=4, has_buffers=True),
+    )
+}
+
+
 def build_model(workload: Workload, device: torch.device) -> nn.Module:
     """The workload's model, initialised from the same seed on every call."""
     torch.manual_seed(SEED)

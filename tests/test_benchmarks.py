@@ -1,4 +1,5 @@
-"""Smoke test: benchmarks/compare_ddp.py runs end to end on 2 steps per workload, no timings."""
+"""Smoke test: benchmarks/compare_ddp.py runs end to end on 2 steps per workload, no timings
+(the workloads at their --small sizes, the ranks forked from one process that has imported it)."""
 
 import json
 import os
@@ -26,8 +27,9 @@ def _ok(done: subprocess.CompletedProcess) -> None:
 
 @pytest.mark.timeout(660)
 def test_compare_ddp_smoke(tmp_path):
-    """Every workload and variant in the loopback regime, with small batches to keep it short."""
-    _ok(_run("--batch", "1", "--no-memory", "--zero", out=str(tmp_path)))
+    """Every workload (at its --small size) and variant in the loopback regime, with small
+    batches to keep it short."""
+    _ok(_run("--small", "--batch", "2", "--no-memory", "--zero", out=str(tmp_path)))
     files = sorted(os.listdir(tmp_path))
     assert any(f.endswith(".md") for f in files), files
     assert any(f.endswith("_compare.png") for f in files), files
@@ -51,7 +53,8 @@ def test_compare_ddp_smoke(tmp_path):
 @pytest.mark.timeout(660)
 def test_compare_ddp_memory_smoke(tmp_path):
     """The per-variant memory runs alone (no timing regime)."""
-    _ok(_run("--workloads", "mlp", "--no-loopback", "--memory-steps", "1", out=str(tmp_path)))
+    flags = ("--small", "--workloads", "mlp", "--no-loopback", "--memory-steps", "1")
+    _ok(_run(*flags, out=str(tmp_path)))
     (json_name,) = [f for f in os.listdir(tmp_path) if f.endswith(".json")]
     with open(tmp_path / json_name) as f:
         memory = json.load(f)["memory"]["mlp"]
