@@ -13,6 +13,7 @@ import datetime
 import gc
 import json
 import math
+import multiprocessing
 import os
 import platform
 import resource
@@ -39,6 +40,9 @@ import fddp
 import fddp.optim as optim
 
 SWEEP_MB = (1.0, 2.0, 5.0, 25.0, 100.0)
+# --start-method forkserver: what the ranks import that takes seconds (the server's sys.path is
+# Python's default one, so this directory's own modules are imported by each rank, quickly)
+FORKSERVER_PRELOAD = ("torch", "torch.distributed.optim", "torch.nn.parallel", "fddp", "fddp.optim")
 LR, WEIGHT_DECAY = 1e-3, 0.01
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -551,6 +555,8 @@ def launch(job: Job, world: int, start_method: str = "spawn") -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
         args = (world, ranks.free_port(), job, path)
+        if start_method == "forkserver":  # the server imports these once, for every rank
+            multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
         mp.start_processes(_rank_main, args, nprocs=world, join=True, start_method=start_method)
         with open(path) as f:
             return json.load(f)
