@@ -10,6 +10,7 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
+from _compare import assert_trees_equal
 from _dist import run_checks
 from _models import captured_counting_replays
 from torch import nn
@@ -157,6 +158,38 @@ def test_dropout_without_remat_differs_per_seed():
     pstep, first = _run(step, args, P.nothing_saveable, seed=7)
     torch.manual_seed(8)
     assert not _same(first, pstep(*args))
+
+
+def test_a_value_written_in_place_after_the_region_is_kept_not_recomputed():
+    """The region reads ``h`` and ``g``; the forward then doubles ``h`` in place. Recomputing
+    ``h.sum()`` in the backward would read the doubled ``h``: that sum is kept, ``g.sum()`` is
+    still recomputed, and the gradients are bitwise those without remat."""
+    fddp.init()
+    torch.manual_seed(0)
+    params = {"a": torch.randn(8, 8), "b": torch.randn(8, 8)}
+    batch = (torch.randn(4, 8), torch.randn(4, 8))
+
+    def region(p, h, g):
+        return torch.tanh(h.sum() * p["a"]) * torch.tanh(g.sum() * p["a"])
+
+    def make_step(marked):
+        def step(params, batch):
+            def loss(p):
+                h, g = batch[0].clone(), batch[1]
+                out = (fddp.remat(region) if marked else region)(p, h, g)
+                h.mul_(3.0)
+                return (out * p["b"]).sum() + h.sum()
+
+            value, grads = fddp.value_and_grad(loss)(params)
+            return value, fddp.pmean(grads)
+
+        return step
+
+    _, reference = _run(make_step(False), (params, batch))
+    pstep, out = _run(make_step(True), (params, batch), P.nothing_saveable)
+    assert_trees_equal(out, reference)
+    recomputed = pstep.schedule(params, batch).remat.regions[0].recomputed
+    assert recomputed.count("aten.sum.default") == 1, recomputed
 
 
 def test_full_policy_keeps_one_layer_of_the_bytes_and_recomputes_in_the_backward():

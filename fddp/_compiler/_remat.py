@@ -18,7 +18,7 @@ from torch.fx import traceback as fx_traceback
 from fddp import _model_calls, _remat
 from fddp._annotations import FORWARD, REMAT_BLOCK, REMAT_NAME, REMAT_RECOMPUTED, REMAT_REGION
 from fddp._compiler import _cost, _repeated
-from fddp._compiler._graph import is_collective, is_wait, mutated_inputs, storage
+from fddp._compiler._graph import Storage, is_collective, is_wait, mutated_inputs, storage
 from fddp._errors import UsageValueError
 from fddp._remat import Policy
 
@@ -150,6 +150,31 @@ def forward_runs(graph: fx.Graph) -> list[list[fx.Node]]:
 
 def _run_ends(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
     return {n: run[-1] for run in forward_runs(graph) for n in run}
+
+
+def _writers(graph: fx.Graph) -> dict[Storage, list[fx.Node]]:
+    """The nodes that write each storage in place, in graph order."""
+    found: dict[Storage, list[fx.Node]] = collections.defaultdict(list)
+    for node in graph.nodes:
+        for written in mutated_inputs(node):
+            if (t := _tensor(written)) is not None:
+                found[storage(t)].append(node)
+    return found
+
+
+def _read_after_a_write(
+    node: fx.Node, recompute: set[fx.Node], until: fx.Node, writers: dict[Storage, list[fx.Node]]
+) -> bool:
+    """Whether a value ``node`` reads from outside ``recompute`` is written in place after
+    ``node`` ran and before ``until`` (where its copy would run): the copy would read another
+    value than the forward did."""
+    for a in node.all_input_nodes:
+        t = _tensor(a)
+        if a in recompute or t is None:
+            continue
+        if any(node < w < until for w in writers.get(storage(t), ())):
+            return True
+    return False
 
 
 def _late_users(node: fx.Node, end: fx.Node) -> list[fx.Node]:
@@ -301,6 +326,7 @@ def _choose(
     ends: dict[fx.Node, fx.Node],
     saveable: Callable[[fx.Node], bool],
     replay_rng: bool,
+    graph_writers: dict[Storage, list[fx.Node]],
 ) -> _Choice:
     members = set(region.nodes)
     writers: dict[int, list[fx.Node]] = collections.defaultdict(list)
@@ -326,8 +352,13 @@ def _choose(
             recompute.add(node)
             pending += [a for a in node.all_input_nodes if a in members and a not in kept]
         grown = False
+        until = min((u for n in needed for u in _late_users(n, ends[n])), default=None)
         for node in recompute:
             parent = node.args[0] if node.target is operator.getitem else None
+            if until is not None and _read_after_a_write(node, recompute, until, graph_writers):
+                kept.add(node)
+                grown = True
+                continue
             # a write into a value the forward keeps (or that is not the region's) would happen
             # twice; a getitem of a kept tuple would keep all of it alive
             writes = [] if _statistics_only(node) else mutated_inputs(node)
@@ -436,14 +467,15 @@ def rematerialise(
         return None
     without = saved_bytes(graph)
     ends = _run_ends(graph)
-    budget = _budget_nodes(graph, regions, ends, names, step_policy, without, replay_rng)
+    writers = _writers(graph)
+    budget = _budget_nodes(graph, regions, ends, names, step_policy, without, replay_rng, writers)
     choices = []
     for region in regions:
         if region.policy.kind == "memory_budget":
             saveable: Callable[[fx.Node], bool] = lambda n: n not in budget
         else:
             saveable = functools.partial(_saveable, policy=region.policy, names=names)
-        choices.append(_choose(region, ends, saveable, replay_rng))
+        choices.append(_choose(region, ends, saveable, replay_rng, writers))
     described = []
     for index, (region, choice) in enumerate(zip(regions, choices)):
         copies = _rewrite(graph, choice, index, ends)
@@ -542,6 +574,7 @@ def _budget_nodes(
     step_policy: Policy | None,
     without: int,
     replay_rng: bool,
+    writers: dict[Storage, list[fx.Node]],
 ) -> set[fx.Node]:
     """The nodes ``memory_budget`` regions recompute: whole storages, cheapest recompute per
     byte first, the fewest that bring the step's saved bytes within the budget."""
@@ -573,7 +606,7 @@ def _budget_nodes(
         size = max(_storage_bytes(_tensor(n)) for n in nodes)  # type: ignore[arg-type]
         units.append((cost / max(size, 1), min(nodes), nodes, size))
     units.sort(key=lambda u: (u[0], u[1]))
-    predict = _Prediction(graph, regions, ends, names, candidates, replay_rng)
+    predict = _Prediction(graph, regions, ends, names, candidates, replay_rng, writers)
 
     def saved_with(k: int, skipped: frozenset[int] = frozenset()) -> int:
         return predict.saved_bytes(
@@ -619,8 +652,10 @@ class _Prediction:
         names: dict[fx.Node, set[str]],
         candidates: set[fx.Node],
         replay_rng: bool,
+        writers: dict[Storage, list[fx.Node]],
     ) -> None:
         self.regions, self.ends, self.replay_rng = regions, ends, replay_rng
+        self.writers = writers
         self.candidates = candidates
         self.arguments = {
             storage(t)
@@ -638,7 +673,8 @@ class _Prediction:
         for region in regions:
             if region.policy.kind != "memory_budget":
                 saveable = functools.partial(_saveable, policy=region.policy, names=names)
-                self.fixed.update(self._kept(_choose(region, ends, saveable, replay_rng), region))
+                choice = _choose(region, ends, saveable, replay_rng, writers)
+                self.fixed.update(self._kept(choice, region))
         self.memo: dict[tuple[int, frozenset[fx.Node]], dict[Any, int]] = {}
 
     def _kept(self, choice: _Choice, region: _Region) -> dict[Any, int]:
@@ -666,7 +702,9 @@ class _Prediction:
             mine = frozenset(n for n in region.nodes if n in chosen)
             if (i, mine) not in self.memo:
                 keep = self.candidates - mine
-                choice = _choose(region, self.ends, keep.__contains__, self.replay_rng)
+                choice = _choose(
+                    region, self.ends, keep.__contains__, self.replay_rng, self.writers
+                )
                 self.memo[i, mine] = self._kept(choice, region)
             found.update(self.memo[i, mine])
         return sum(b for k, b in found.items() if k not in self.arguments)
