@@ -98,6 +98,8 @@ class RecoverableStep:
             ("recoverable micro_batches", repr(micro_batches)),
             ("recoverable donate", repr(donate)),
             ("recoverable invariant", repr(invariant)),
+            ("recoverable admit_every", repr(admit_every)),
+            ("recoverable settle", repr(settle)),
             *describe(optimizer, "recoverable optimizer"),
         ]
         self.uid = rank

@@ -118,6 +118,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
     store_d = _store()
     procs_a = _start(range(4), 4, KILLS, store_a, a, FDDP_TEST_INVARIANT="1")
     procs_d = _start(range(1), 1, "", store_d, d, FDDP_TEST_INVARIANT="1")
+    e, store_e = tmp_path_factory.mktemp("options"), _store()  # built with another admit_every
+    procs_e = _start(range(1), 2, "", store_e, e, FDDP_TEST_ADMIT_EVERY="1")
+    procs_e += _start(range(1, 2), 2, "", store_e, e, FDDP_TEST_ADMIT_EVERY="2")
     env_b = {
         "FDDP_TEST_MICRO": str(MICRO_B),
         "FDDP_TEST_WAIT_JOIN_AT": str(JOIN_WAIT),
@@ -130,12 +133,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
     while time.monotonic() < deadline and not store_b.check(["fddp-recoverable/g0/roster"]):
         time.sleep(0.1)
     procs_b += _start(range(3, 4), 3, "", store_b, b, FDDP_TEST_JOIN="1", **env_b)
-    codes = {n: _finish(p, deadline) for n, p in (("a", procs_a), ("b", procs_b), ("d", procs_d))}
+    started = {"a": procs_a, "b": procs_b, "d": procs_d, "e": procs_e}
+    codes = {name: _finish(procs, deadline) for name, procs in started.items()}
     logs = {
         name: [p.stdout.read().decode(errors="replace")[-3000:] for p in procs]
-        for name, procs in (("a", procs_a), ("b", procs_b), ("d", procs_d))
+        for name, procs in started.items()
     }
-    del store_a, store_b, store_d
+    del store_a, store_b, store_d, store_e
     out = {}
     for name, directory, world in (("a", a, 4), ("b", b, 4), ("d", d, 1)):
         out[name] = {
@@ -188,6 +192,13 @@ def test_unrecoverable_state_is_refused_with_the_alternative(runs):
     assert "fddp.optim.shard_state" in refused["shard_state"]
     assert "save_sharded" in refused["shard_state"]
     assert "fddp.diloco" in refused["diloco"]
+
+
+def test_members_built_with_other_options_refuse_the_first_step(runs):
+    codes, logs, _ = runs
+    assert codes["e"] == [1, 1], logs["e"]
+    for log in logs["e"]:
+        assert "ScheduleMismatchError" in log and "recoverable admit_every" in log, log
 
 
 def test_rejects_bad_options_before_forming_a_group():

@@ -16,8 +16,8 @@ More settings, all read here: ``FDDP_TEST_TIMEOUT`` and ``FDDP_TEST_SETTLE`` (se
 ``FDDP_TEST_DONATE`` (donate the state), ``FDDP_TEST_MICRO`` (micro-batches; set, member 0
 also records how the step refuses sharded and DiLoCo state), ``FDDP_TEST_INVARIANT``
 (invariant mode), ``FDDP_TEST_JOIN`` (start as a replacement), ``FDDP_TEST_WAIT_JOIN_AT``
-(every member waits for the replacement to register before that step), ``FDDP_TEST_VERBOSE``
-(a line per step).
+(every member waits for the replacement to register before that step), ``FDDP_TEST_ADMIT_EVERY``
+(recoverable's ``admit_every``), ``FDDP_TEST_VERBOSE`` (a line per step).
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def main() -> None:
         join=JOIN,
         invariant=bool(os.environ.get("FDDP_TEST_INVARIANT")),
         donate=bool(os.environ.get("FDDP_TEST_DONATE")),
-        admit_every=1,
+        admit_every=int(os.environ.get("FDDP_TEST_ADMIT_EVERY", "1")),
     )
     params = initial_params()
     opt_state = opt.init(params)
