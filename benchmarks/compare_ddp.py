@@ -91,7 +91,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         choices=("spawn", "forkserver"),
         default="spawn",
         help="how ranks start: spawn (a fresh interpreter each) or forkserver (forked from one "
-        "process that has imported this script, for quick runs)",
+        "server process that has imported torch and fddp, for quick runs)",
     )
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--tag", default="", help="appended to the result file names")

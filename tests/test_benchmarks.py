@@ -1,5 +1,5 @@
 """Smoke test: benchmarks/compare_ddp.py runs end to end on 2 steps per workload, no timings
-(the workloads at their --small sizes, the ranks forked from one process that has imported it)."""
+(the workloads at their --small sizes, the ranks forked from a server that has imported torch)."""
 
 import json
 import os
@@ -16,7 +16,7 @@ pytest.importorskip("matplotlib")
 
 def _run(*flags: str, out: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, SCRIPT, "--steps", "2", "--block", "2", "--warmup", "0", "--out", out]
-    cmd += ["--start-method", "forkserver"]  # ranks forked from one import of the script
+    cmd += ["--start-method", "forkserver"]  # ranks forked from one import of torch and fddp
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run([*cmd, *flags], capture_output=True, text=True, env=env, timeout=600)
 

@@ -9,6 +9,7 @@ cached program's old numbers.
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import sys
 import textwrap
@@ -228,7 +229,7 @@ def test_an_upgraded_installed_library(tmp_path, dist):
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)
     env = script_env(PYTHONDONTWRITEBYTECODE="1")
-    runs = iter(range(4))
+    runs = itertools.count()
 
     def run() -> dict:
         """The script in a new process, forked from the fork server (which has imported torch
