@@ -201,9 +201,21 @@ def test_members_built_with_other_options_refuse_the_first_step(runs):
         assert "ScheduleMismatchError" in log and "recoverable admit_every" in log, log
 
 
-def test_rejects_bad_options_before_forming_a_group():
-    if dist.is_initialized():  # fddp.init() of an earlier test; recoverable forms its own
+@pytest.fixture
+def no_default_group():
+    """No default group while the test runs (recoverable forms its own); an earlier test's
+    ``fddp.init()`` group is replaced by a fresh one afterwards, for the tests that follow."""
+    had = dist.is_initialized()
+    if had:
         dist.destroy_process_group()
+    yield
+    if had and not dist.is_initialized():
+        import fddp
+
+        fddp.init()
+
+
+def test_rejects_bad_options_before_forming_a_group(no_default_group):
     import fddp
 
     opt = fddp.optim.sgd(0.1)
