@@ -469,6 +469,7 @@ def time_variants(job: Job, workload: Workload, device: torch.device) -> dict[st
             for n, v in built.items()
         },
         "parity": _parity(built, {s.name: s for s in specs}),
+        "parity_share": _parity(built, {s.name: s for s in specs}, beyond=PARITY_TOLERANCE),
     }
     del built
     gc.collect()
@@ -482,16 +483,29 @@ def _gather(obj: Any) -> list[Any]:
     return gathered
 
 
-def _parity(built: dict[str, Variant], specs: dict[str, Spec]) -> dict[str, float]:
-    """Largest |difference| of each model's parameters from DDP's, after the same steps."""
+# Adam's update is lr * m / sqrt(v): a gradient near zero whose last bits differ between two
+# reduction orders can flip its sign, so a few elements differ by ~2 lr while the rest agree to
+# float32 rounding; a wrong gradient (unreduced, mis-scaled) moves nearly all by ~lr.
+PARITY_TOLERANCE = 1e-4
+
+
+def _parity(
+    built: dict[str, Variant], specs: dict[str, Spec], beyond: float | None = None
+) -> dict[str, float]:
+    """Largest |difference| of each model's parameters from DDP's, after the same steps; with
+    ``beyond``, the share of elements that differ by more than it instead."""
     ref = built["ddp"].parameters() if "ddp" in built else None
     out = {}
     for n, v in built.items():
         params = v.parameters()
         if ref is None or params is None or specs[n].kind == "local" or n == "ddp":
             continue
-        out[n] = max((params[k] - ref[k]).abs().max().item() for k in ref)
-    if "fddp+overlap" in built and "fddp" in built:  # the same steps on the same batches
+        diffs = [(params[k] - ref[k]).abs() for k in ref]
+        if beyond is None:
+            out[n] = max(d.max().item() for d in diffs)
+        else:
+            out[n] = sum(int((d > beyond).sum()) for d in diffs) / sum(d.numel() for d in diffs)
+    if beyond is None and "fddp+overlap" in built and "fddp" in built:  # same steps and batches
         a, b = built["fddp+overlap"].parameters(), built["fddp"].parameters()
         assert a is not None and b is not None
         out["fddp+overlap == fddp (bitwise)"] = float(all(torch.equal(a[k], b[k]) for k in b))

@@ -130,6 +130,7 @@ def _workload_summary(raw: dict[str, Any]) -> dict[str, Any]:
         "ratios": _ratios(raw, med, best, bound),
         "sweep": _sweep_table(raw, rows),
         "parity": raw.get("parity", {}),
+        "parity_share": raw.get("parity_share", {}),
         "wall_s": raw.get("wall_s"),
     }
 

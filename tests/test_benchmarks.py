@@ -47,7 +47,9 @@ def test_compare_ddp_smoke(tmp_path):
             assert all(z < f / 2 * 1.05 for z, f in zip(*state)), (sharded, state)
         assert all(r["n"] == 2 for r in s["rows"].values())
         assert s["rows"]["fddp"]["allreduce_bytes"] and s["rows"]["ddp"]["allreduce_bytes"]
-        assert all(diff < 5e-2 for diff in s["parity"].values()), s["parity"]  # Adam: ~lr per step
+        # the same steps as DDP: all but a few Adam sign flips agree to float32 rounding
+        assert set(s["parity_share"]) == set(s["parity"]) and s["parity_share"]
+        assert all(share < 0.01 for share in s["parity_share"].values()), s["parity_share"]
 
 
 @pytest.mark.timeout(660)
