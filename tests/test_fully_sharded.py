@@ -222,7 +222,7 @@ def check_bf16_gathers(world: int, steps: int = STEPS) -> dict | None:
 
 def check_checkpoints(tmp: str) -> dict:
     """3 ranks save fully sharded parameters and state at step SAVE_AT, 2 load them, and back;
-    a replicated ZeRO-2 run loads the fully sharded checkpoint too. Each finishes the STEPS."""
+    each finishes the STEPS. ``fddp.save`` of sharded parameters is refused."""
     rank, world, pair = torch.distributed.get_rank(), torch.distributed.group.WORLD, _pair()
     from3, from2 = os.path.join(tmp, "from3"), os.path.join(tmp, "from2")
     _train(world, "gpt", "adamw", "full", steps=SAVE_AT + 1, save_at=(from3, SAVE_AT))
