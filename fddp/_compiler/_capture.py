@@ -9,7 +9,6 @@ import contextlib
 import dataclasses
 import inspect
 import logging
-import os
 import re
 import time
 import traceback
@@ -32,12 +31,10 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fddp import _model_calls, _runtime
-from fddp._compiler import _backward_mode, _repeated, _torch_checkpoint
+from fddp._compiler import _backward_mode, _repeated, _torch_checkpoint, _user_frames
 from fddp._compiler._graph import remove_double_waits, storage
 from fddp._compiler._quick_record import QuickRecord
 from fddp._errors import CaptureError, PrintWhileTracingWarning, UsageError
-
-_FDDP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 class _CaptureOnly(Exception):
@@ -440,7 +437,7 @@ def _value_read_error(node: fx.Node, *, returned: bool) -> CaptureError:
     """The error for a step that reads a tensor's value into Python at ``node``: it returns
     the value (``returned``), or Inductor (``compile=True``) cannot compile the read."""
     frames = _stack_frames(node.meta.get("stack_trace") or "")
-    where = _where(_user_frame(frames))
+    where = _user_frames.where(_user_frames.user_frame(frames))
     if returned:
         what = "returns a Python value read from a tensor"
         why = (
@@ -550,21 +547,6 @@ def _tracing_limit_errors() -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
-def _user_frame(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
-    """The innermost of ``frames`` outside torch, optree and fddp: the step's or the model's."""
-    library_dirs = tuple(os.path.dirname(f) + os.sep for f in (torch.__file__, optree.__file__))
-    library_dirs += (_FDDP_DIR,)
-    outside = [f for f in frames if not os.path.abspath(f.filename).startswith(library_dirs)]
-    return outside[-1] if outside else None
-
-
-def _where(frame: traceback.FrameSummary | None) -> str:
-    if frame is None:
-        return ""
-    code = f": {frame.line.strip()}" if frame.line else ""
-    return f"\n  in {frame.name}, {frame.filename}:{frame.lineno}{code}"
-
-
 def _chain(error: BaseException | None) -> list[BaseException]:
     seen: list[BaseException] = []
     while error is not None and error not in seen:
@@ -591,8 +573,8 @@ def _own_error(
         return None
     if make_fx_error is not None and not isinstance(make_fx_error, _tracing_limit_errors()):
         frames = traceback.extract_tb(make_fx_error.__traceback__)
-        return _headline(make_fx_error), _user_frame(frames)
-    frame = _user_frame(list(getattr(dynamo_error, "real_stack", None) or []))
+        return _headline(make_fx_error), _user_frames.user_frame(frames)
+    frame = _user_frames.user_frame(list(getattr(dynamo_error, "real_stack", None) or []))
     if operator_error is not None:
         return _headline(operator_error), frame
     if observed:
@@ -633,7 +615,7 @@ def capture_error(make_fx_error: BaseException | None, dynamo_error: BaseExcepti
     if own is not None:
         headline, frame = own
         message = (
-            f"{headline}{_where(frame)}\n"
+            f"{headline}{_user_frames.where(frame)}\n"
             "fddp.data_parallel ran the step on fake tensors (the arguments' shapes and "
             "dtypes, no values) to capture it, and the step raised this error: it fails the "
             "same way when run eagerly. data_parallel(step, trace=False) runs it eagerly, for "
@@ -672,7 +654,9 @@ def _explain(error: BaseException, make_fx_error: BaseException | None) -> str:
         line = str(make_fx_error).strip().split("\n")[0]
         notes.append(f"make_fx, tried first: {type(make_fx_error).__name__}: {line}")
     frames = list(getattr(error, "real_stack", None) or [])
-    where = _where(_user_frame(frames) or getattr(error, "innermost_user_frame_summary", None))
+    where = _user_frames.where(
+        _user_frames.user_frame(frames) or getattr(error, "innermost_user_frame_summary", None)
+    )
     return (
         f"fddp.data_parallel could not capture the step as one graph: {reason}{where}\n"
         f"{hint} Or pass trace=False to run the same step eagerly (collectives bucketed, no "

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import re
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import optree
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.fx import traceback as fx_traceback
 
 from fddp import _remat
 from fddp._annotations import REMAT_REGION
+from fddp._compiler import _user_frames
 from fddp._errors import UsageValueError
 
 try:  # the higher-order op Dynamo makes of a checkpoint call
@@ -26,10 +25,6 @@ try:  # the higher-order op Dynamo makes of a checkpoint call
 except ImportError:  # pragma: no cover - a torch without it
     _hop_wrap = None
 
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(os.path.abspath(f)) + os.sep
-    for f in (torch.__file__, optree.__file__, os.path.dirname(__file__), contextlib.__file__)
-)
 _CHECKPOINT_KEYWORDS = frozenset(
     ("use_reentrant", "context_fn", "determinism_check", "debug", "early_stop")
 ) | {"preserve_rng_state"}
@@ -135,8 +130,8 @@ def _policy_of(
         return _remat.nothing_saveable
     raise UsageValueError(
         "torch.utils.checkpoint with a context_fn (selective activation checkpointing) inside "
-        f"a fddp.data_parallel step{_where(where())}\nfddp recomputes checkpointed regions "
-        "itself and cannot read which values that context saves. Write the region as "
+        f"a fddp.data_parallel step{_user_frames.where(where())}\nfddp recomputes checkpointed "
+        "regions itself and cannot read which values that context saves. Write the region as "
         "fddp.remat(fn, policy=...) with a policy of fddp.remat_policies (dots_saveable, "
         "save_only_these_names(...), memory_budget(...)), or pass data_parallel(step, "
         "remat=policy) for the model's repeated blocks; trace=False runs torch's checkpoint "
@@ -148,7 +143,7 @@ def _node_frame() -> traceback.FrameSummary | None:
     """The user frame of the Dynamo graph node being lowered, from its recorded stack."""
     text = fx_traceback.get_current_meta().get("stack_trace") or ""
     found = re.finditer(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', text)
-    return _outside(
+    return _user_frames.user_frame(
         [
             traceback.FrameSummary(m.group(1), int(m.group(2)), m.group(3), line=m.group(4))
             for m in found
@@ -157,17 +152,4 @@ def _node_frame() -> traceback.FrameSummary | None:
 
 
 def _user_frame() -> traceback.FrameSummary | None:
-    return _outside(traceback.extract_stack())
-
-
-def _outside(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
-    """The innermost of ``frames`` outside torch, optree, fddp and the standard library."""
-    outside = [f for f in frames if not os.path.abspath(f.filename).startswith(_LIBRARY_DIRS)]
-    return outside[-1] if outside else None
-
-
-def _where(frame: traceback.FrameSummary | None) -> str:
-    if frame is None:
-        return ""
-    code = f": {frame.line.strip()}" if frame.line else ""
-    return f"\n  in {frame.name}, {frame.filename}:{frame.lineno}{code}"
+    return _user_frames.user_frame(traceback.extract_stack())
