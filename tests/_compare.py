@@ -15,6 +15,7 @@ AssertionError: trees differ in their leaves: missing (in expected, not in actua
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -171,3 +172,15 @@ def _leaf_problem(
 def _listing(paths: list[str]) -> str:
     shown = ", ".join(paths[:MAX_LISTED])
     return shown + (f" (+{len(paths) - MAX_LISTED} more)" if len(paths) > MAX_LISTED else "")
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run as the spawned ranks run, on one intra-op thread: CPU kernels split their sums by the
+    number of threads, so bitwise comparisons with the ranks need the same count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
-from _compare import assert_trees_close, assert_trees_equal, max_abs_diff
+from _compare import assert_trees_close, assert_trees_equal, max_abs_diff, one_thread
 from _dist import run_checks
 from torch import nn
 
@@ -59,18 +58,6 @@ def _cnn() -> nn.Module:
         nn.Flatten(),
         nn.Linear(6, 4),
     )
-
-
-@contextlib.contextmanager
-def _one_thread():
-    """As the spawned ranks run: CPU kernels split their sums by the number of threads, so the
-    mode's bits are those of a given thread count per process."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _data(model: str, step: int) -> dict[str, torch.Tensor]:
@@ -153,7 +140,7 @@ def _checks(world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs() -> dict[int, dict]:
-    with _one_thread():
+    with one_thread():
         out = {1: {name: [check()] for name, check in _checks(1).items()}}
     for world in (2, 3, 4):
         out[world] = run_checks(_checks(world), world, timeout=240)
@@ -169,7 +156,7 @@ def test_bitwise_equal_on_any_world_size_and_vmap(runs, model):
         for rank, result in enumerate(runs[world][model]):
             assert_trees_equal(result, reference, what=f"{model}, {world} ranks, rank {rank}")
     for replicas in (1, 2, 3, 4):
-        with _one_thread():
+        with one_thread():
             simulated = _simulate(model, replicas)
         assert_trees_equal(simulated, reference, what=f"{model}, vmap x{replicas}")
 

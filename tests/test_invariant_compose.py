@@ -3,7 +3,6 @@ refused."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import re
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _compare import assert_trees_equal, max_abs_diff
+from _compare import assert_trees_equal, max_abs_diff, one_thread
 from _dist import run_checks
 from torch import nn
 
@@ -115,20 +114,9 @@ CHECKS = {
 }
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """As the spawned ranks run (CPU kernels split their sums by the number of threads)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def runs() -> dict[int, dict]:
-    with _one_thread():
+    with one_thread():
         one = {name: check() for name, check in CHECKS.items()}
     return {1: one, 3: run_checks(CHECKS, 3, timeout=240)}
 
@@ -165,7 +153,7 @@ def test_shard_state_under_vmap_equals_one_rank(runs):
     replicas = 3
     state = fddp.vmap(lambda p, _: opt.init(p), in_dims=(None, 0))(params, torch.arange(replicas))
     sim = fddp.vmap(step, in_dims=(None, 0, 0, 0), out_dims=(None, 0, None), invariant=CHUNK)
-    with _one_thread():
+    with one_thread():
         torch.manual_seed(7)
         for i in range(STEPS):
             x, y = (t.unflatten(0, (replicas, -1)) for t in _batch(i))
