@@ -2,6 +2,7 @@
 
 from fddp import data, nn, optim, remat_policies
 from fddp._accumulate import accumulate_gradients
+from fddp._batches import shard
 from fddp._checkpoint import load, load_sharded, save, save_sharded
 from fddp._collectives import (
     all_gather,
@@ -31,7 +32,7 @@ from fddp._persistent_cache import cache_dir, set_cache_dir
 from fddp._powersgd import powersgd
 from fddp._recovery import RecoverableStep, Recovery, recoverable
 from fddp._remat import remat, remat_name
-from fddp._runtime import init, rank, replicate, shard, world_size
+from fddp._runtime import init, rank, replicate, world_size
 from fddp._sharding import ShardedParams, full_params, full_state_dict, shard_params
 from fddp._timeline import plot_timeline
 from fddp._vmap import vmap

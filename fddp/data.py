@@ -6,6 +6,6 @@ mean, and the same number of steps on every rank.
 [[0, 2], [4]]
 """
 
-from fddp._uneven import lockstep, pad_rows, shard_batches, weighted_pmean
+from fddp._batches import lockstep, pad_rows, shard_batches, weighted_pmean
 
 __all__ = ["lockstep", "pad_rows", "shard_batches", "weighted_pmean"]

@@ -1,4 +1,4 @@
-"""Uneven data across ranks: per-step shards, padded batches, a row-weighted mean, lockstep."""
+"""A global batch across ranks: even and uneven shards, padded batches, a row-weighted mean."""
 
 from __future__ import annotations
 
@@ -15,6 +15,42 @@ from fddp._collectives import psum
 from fddp._tree import leaves_with_paths
 
 T = TypeVar("T")
+
+
+def shard(
+    global_batch: Any, *, uneven: bool = False, group: dist.ProcessGroup | None = None
+) -> Any:
+    """This rank's slice, along dim 0, of every tensor leaf of ``global_batch``.
+
+    Rank ``r`` of ``n`` gets rows ``[r*B/n, (r+1)*B/n)``. A leading dimension that does not
+    divide by ``n`` is a ``ValueError`` unless ``uneven=True``, which gives the first ranks one
+    row more (as ``torch.tensor_split``). Non-tensor leaves are returned unchanged. The slices
+    are views of the input.
+
+    >>> import fddp, torch
+    >>> fddp.shard({"x": torch.arange(4)})["x"]
+    tensor([0, 1, 2, 3])
+    """
+    n, r = _runtime.world_size(group), _runtime.rank(group)
+    paths, leaves, spec = leaves_with_paths(global_batch)
+    out = []
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+            continue
+        if leaf.dim() == 0:
+            raise ValueError(
+                f"fddp.shard: leaf {path} is a 0-d tensor and has no batch dimension to split; "
+                "keep scalars out of the batch tree or give them a leading dimension."
+            )
+        if leaf.shape[0] % n and not uneven:
+            raise ValueError(
+                f"fddp.shard: leaf {path} has {leaf.shape[0]} rows, which does not split evenly "
+                f"over {n} ranks. Drop or pad the remainder (a global batch size divisible by "
+                f"{n}), or pass uneven=True and weight the mean by rows per rank."
+            )
+        out.append(torch.tensor_split(leaf, n)[r])
+    return optree.tree_unflatten(spec, out)
 
 
 def shard_batches(
