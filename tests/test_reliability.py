@@ -381,7 +381,7 @@ def _final_params(job: Job, directory: Path) -> dict[str, torch.Tensor]:
     """The parameters a job's rank 0 saved at the end; every rank must print the same digest."""
     job.assert_succeeded()
     output = "".join(job.output(i) for i in range(len(job.procs)))
-    digests = re.findall(r"rank (\d): final params sha256 (\w+)", output)
+    digests = re.findall(r"rank (\d): final params sha256 ([0-9a-f]{64})", output)
     assert sorted(r for r, _ in digests) == ["0", "1"], job.describe()
     assert len({d for _, d in digests}) == 1, f"ranks ended with different parameters: {digests}"
     return fddp.load(directory / "final.pt")
