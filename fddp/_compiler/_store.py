@@ -54,6 +54,12 @@ def _stored_higher_order(value: Any) -> bool:
     return getattr(torch.ops.higher_order, value.name()) is value
 
 
+def _higher_order(name: str) -> torch._ops.HigherOrderOperator:
+    if name not in _HIGHER_ORDER:  # the store writes no other
+        raise NotStorable(f"graph calls the higher-order operator {name!r}")
+    return getattr(torch.ops.higher_order, name)
+
+
 def _op_overload(encoded: tuple) -> torch._ops.OpOverload:
     namespace, name, overload = encoded
     return getattr(getattr(getattr(torch.ops, namespace), name), overload)
@@ -64,7 +70,7 @@ def _decode_target(encoded: tuple) -> Any:
     if kind == "op":
         return _op_overload(tuple(rest))
     if kind == "higher_order":
-        return getattr(torch.ops.higher_order, rest[0])
+        return _higher_order(rest[0])
     return _PYTHON_TARGETS[tuple(rest)]
 
 
@@ -196,7 +202,7 @@ def _decode_global(encoded: tuple) -> Any:
     if kind == "float":
         return float(rest[0])
     if kind == "higher_order":
-        return getattr(torch.ops.higher_order, rest[0])
+        return _higher_order(rest[0])
     if kind == "none":
         return None if rest[0] else type(None)
     return _resolve(*rest)
