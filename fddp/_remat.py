@@ -184,11 +184,18 @@ def remat(fn: _F, *, policy: Policy | None = None) -> _F:
 
     @functools.wraps(fn)
     def region(*args: Any, **kwargs: Any) -> Any:
-        _refuse_replay()
-        with fx_traceback.annotate({REMAT_REGION: (next(_CALLS), fields)}):
+        with fx_traceback.annotate(region_annotation(fields)):
             return fn(*args, **kwargs)
 
     return region  # type: ignore[return-value]
+
+
+def region_annotation(fields: tuple[Any, ...] | None) -> dict[str, Any]:
+    """The annotation of one call of a region's nodes: a token per call and the policy's fields
+    (``dataclasses.astuple`` of it, or None for the step's); refused inside a repeated block
+    traced for replay."""
+    _refuse_replay()
+    return {REMAT_REGION: (next(_CALLS), fields)}
 
 
 def remat_name(x: torch.Tensor, name: str) -> torch.Tensor:

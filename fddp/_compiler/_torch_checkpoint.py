@@ -14,7 +14,6 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.fx import traceback as fx_traceback
 
 from fddp import _remat
-from fddp._annotations import REMAT_REGION
 from fddp._compiler import _user_frames
 from fddp._errors import UsageValueError
 
@@ -92,8 +91,7 @@ def _from_dynamo(gmod: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
     body_kwargs = {k: v for k, v in kwargs.items() if k not in _CHECKPOINT_KEYWORDS}
     # The interpreter replaces the annotations of the moment by each body node's own
     # (fx_traceback.set_current_meta), so the region goes on the body's nodes.
-    _remat._refuse_replay()
-    region = _annotation(policy)
+    region = _remat.region_annotation(dataclasses.astuple(policy))
     nodes = list(gmod.graph.nodes)
     saved = [node.meta.get("custom") for node in nodes]
     for node in nodes:
@@ -111,14 +109,8 @@ def _from_dynamo(gmod: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
 @contextlib.contextmanager
 def _region(policy: _remat.Policy) -> Iterator[None]:
     """What ``fddp.remat(fn, policy=policy)`` puts around ``fn``."""
-    _remat._refuse_replay()
-    with fx_traceback.annotate(_annotation(policy)):
+    with fx_traceback.annotate(_remat.region_annotation(dataclasses.astuple(policy))):
         yield
-
-
-def _annotation(policy: _remat.Policy) -> dict[str, Any]:
-    """``fddp.remat``'s annotation of a region's nodes: a token per call, the policy's fields."""
-    return {REMAT_REGION: (next(_remat._CALLS), dataclasses.astuple(policy))}
 
 
 def _policy_of(
