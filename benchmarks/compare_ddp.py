@@ -468,8 +468,7 @@ def time_variants(job: Job, workload: Workload, device: torch.device) -> dict[st
             }
             for n, v in built.items()
         },
-        "parity": _parity(built, {s.name: s for s in specs}),
-        "parity_share": _parity(built, {s.name: s for s in specs}, beyond=PARITY_TOLERANCE),
+        **_parity(built, {s.name: s for s in specs}),
     }
     del built
     gc.collect()
@@ -489,27 +488,27 @@ def _gather(obj: Any) -> list[Any]:
 PARITY_TOLERANCE = 1e-4
 
 
-def _parity(
-    built: dict[str, Variant], specs: dict[str, Spec], beyond: float | None = None
-) -> dict[str, float]:
-    """Largest |difference| of each model's parameters from DDP's, after the same steps; with
-    ``beyond``, the share of elements that differ by more than it instead."""
+def _parity(built: dict[str, Variant], specs: dict[str, Spec]) -> dict[str, dict[str, float]]:
+    """Per variant, after the same steps as DDP: ``parity``, the largest |difference| of its
+    parameters from DDP's, and ``parity_share``, the share of elements farther than
+    ``PARITY_TOLERANCE``. Each variant's parameters are gathered once."""
     ref = built["ddp"].parameters() if "ddp" in built else None
-    out = {}
+    largest, share = {}, {}
     for n, v in built.items():
+        if ref is None or specs[n].kind == "local" or n == "ddp":
+            continue
         params = v.parameters()
-        if ref is None or params is None or specs[n].kind == "local" or n == "ddp":
+        if params is None:
             continue
         diffs = [(params[k] - ref[k]).abs() for k in ref]
-        if beyond is None:
-            out[n] = max(d.max().item() for d in diffs)
-        else:
-            out[n] = sum(int((d > beyond).sum()) for d in diffs) / sum(d.numel() for d in diffs)
-    if beyond is None and "fddp+overlap" in built and "fddp" in built:  # same steps and batches
+        largest[n] = max(d.max().item() for d in diffs)
+        beyond = sum(int((d > PARITY_TOLERANCE).sum()) for d in diffs)
+        share[n] = beyond / sum(d.numel() for d in diffs)
+    if "fddp+overlap" in built and "fddp" in built:  # the same steps on the same batches
         a, b = built["fddp+overlap"].parameters(), built["fddp"].parameters()
         assert a is not None and b is not None
-        out["fddp+overlap == fddp (bitwise)"] = float(all(torch.equal(a[k], b[k]) for k in b))
-    return out
+        largest["fddp+overlap == fddp (bitwise)"] = float(all(torch.equal(a[k], b[k]) for k in b))
+    return {"parity": largest, "parity_share": share}
 
 
 def measure_memory(job: Job, workload: Workload, device: torch.device) -> dict[str, Any]:

@@ -48,7 +48,8 @@ def test_compare_ddp_smoke(tmp_path):
         assert all(r["n"] == 2 for r in s["rows"].values())
         assert s["rows"]["fddp"]["allreduce_bytes"] and s["rows"]["ddp"]["allreduce_bytes"]
         # the same steps as DDP: all but a few Adam sign flips agree to float32 rounding
-        assert set(s["parity_share"]) == set(s["parity"]) and s["parity_share"]
+        compared = {v for v in s["parity"] if not v.endswith("(bitwise)")}
+        assert set(s["parity_share"]) == compared and compared
         assert all(share < 0.01 for share in s["parity_share"].values()), s["parity_share"]
 
 
