@@ -4,6 +4,7 @@ a ResNet-18, with data and loss."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -33,16 +34,16 @@ class Workload:
     has_buffers: bool = False  # BatchNorm running statistics
 
 
-def _mlp() -> nn.Module:
-    layers: list[nn.Module] = [nn.Linear(1024, 1024)]
+def _mlp(width: int = 1024) -> nn.Module:
+    layers: list[nn.Module] = [nn.Linear(width, width)]
     for _ in range(7):
-        layers += [nn.GELU(), nn.Linear(1024, 1024)]
-    layers += [nn.GELU(), nn.Linear(1024, 10)]
+        layers += [nn.GELU(), nn.Linear(width, width)]
+    layers += [nn.GELU(), nn.Linear(width, 10)]
     return nn.Sequential(*layers)
 
 
-def _mlp_batch(rows: int, gen: torch.Generator) -> Batch:
-    return torch.randn(rows, 1024, generator=gen), torch.randint(0, 10, (rows,), generator=gen)
+def _mlp_batch(rows: int, gen: torch.Generator, width: int = 1024) -> Batch:
+    return torch.randn(rows, width, generator=gen), torch.randint(0, 10, (rows,), generator=gen)
 
 
 class _Block(nn.Module):
@@ -184,18 +185,6 @@ WORKLOADS = {
 }
 
 
-def _small_mlp() -> nn.Module:
-    layers: list[nn.Module] = [nn.Linear(128, 128)]
-    for _ in range(7):
-        layers += [nn.GELU(), nn.Linear(128, 128)]
-    layers += [nn.GELU(), nn.Linear(128, 10)]
-    return nn.Sequential(*layers)
-
-
-def _small_mlp_batch(rows: int, gen: torch.Generator) -> Batch:
-    return torch.randn(rows, 128, generator=gen), torch.randint(0, 10, (rows,), generator=gen)
-
-
 SMALL_VOCAB, SMALL_SEQ = 512, 32
 
 
@@ -213,7 +202,13 @@ def _small_cnn() -> nn.Module:
 SMALL_WORKLOADS = {
     w.name: w
     for w in (
-        Workload("mlp", _small_mlp, _small_mlp_batch, F.cross_entropy, per_rank=4),
+        Workload(
+            "mlp",
+            functools.partial(_mlp, 128),
+            functools.partial(_mlp_batch, width=128),
+            F.cross_entropy,
+            per_rank=4,
+        ),
         Workload(
             "gpt", _small_gpt, _token_batches(SMALL_VOCAB, SMALL_SEQ), _token_loss, per_rank=2
         ),
