@@ -64,11 +64,13 @@ from workloads import WORKLOADS, build_model, param_count, rank_batches
 
 import fddp
 import fddp.optim as optim
-from fddp import _axes, _machine
-from fddp._compiler import _backend, _bucket, _cost, _pipeline
-from fddp._compiler._capture import Captured, capture
+from fddp._base import _axes
+from fddp._compiler import _backend, _pipeline
+from fddp._compiler._capture._trace import Captured, capture
 from fddp._compiler._graph import is_compute
-from fddp._data_parallel import _donated_leaves
+from fddp._compiler._passes import _bucket, _cost
+from fddp._ranks import _machine
+from fddp._step._data_parallel import _donated_leaves
 
 VARIANTS = (
     "captured",
@@ -149,7 +151,7 @@ def _is_wait(node: fx.Node) -> bool:
 def fddp_costs(machine: _machine.Machine) -> Callable[[fx.Node, int | None], float | None]:
     """``custom_runtime_estimation`` for Inductor from fddp's measured cost model (ms): an
     all-reduce costs the link's latency plus its bytes over the measured bandwidth; any other
-    node, what ``fddp._compiler._cost`` predicts for it."""
+    node, what ``fddp._compiler._passes._cost`` predicts for it."""
 
     known: dict[fx.Node, float] = {}
 

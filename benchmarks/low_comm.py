@@ -43,7 +43,7 @@ from train_gpt import GPT, HELD_OUT, Vocab, fixed_windows, load_corpus, sample_b
 
 import fddp
 import fddp.optim as optim
-from fddp._low_comm import fragment_bounds
+from fddp._lowcomm._low_comm import fragment_bounds
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

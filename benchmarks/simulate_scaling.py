@@ -33,8 +33,8 @@ What it does, top to bottom:
 - **validation**: 2, 3 and 4 gloo ranks on this CPU time fddp's step on a small workload
   beside ``compare_ddp``'s local step and flat all-reduce, and compare it with the replay of
   the step's own scheduled graph under the ``Machine`` fddp's probe measures
-  (``fddp._machine.measure``), raw and calibrated by the measured compute and all-reduce, with
-  fddp's cost model's own prediction beside it.
+  (``fddp._ranks._machine.measure``), raw and calibrated by the measured compute and
+  all-reduce, with fddp's cost model's own prediction beside it.
 
 Writes ``results/<UTC stamp>_scaling_simulation.md`` and ``.png``. ``run_program`` and the
 program builders are the testable core (``tests/test_simulate_scaling.py``).
@@ -67,19 +67,21 @@ import workloads
 
 import fddp
 import fddp.optim as optim
-from fddp import _axes, _collectives, _machine
-from fddp._annotations import BUCKET
-from fddp._bucket_policy import (
+from fddp._base import _axes
+from fddp._base._annotations import BUCKET
+from fddp._collectives import _ops
+from fddp._collectives._bucket_policy import (
     DDP_CAP_BYTES,
     FIRST_CAP_BYTES,
     CapPolicy,
     candidates,
     rule_of_thumb,
 )
-from fddp._compiler import _bucket, _cost, _overlap
-from fddp._compiler._capture import capture
+from fddp._compiler._capture._trace import capture
 from fddp._compiler._graph import is_collective, is_compute, is_wait, nbytes
-from fddp._machine import Machine
+from fddp._compiler._passes import _bucket, _cost, _overlap
+from fddp._ranks import _machine
+from fddp._ranks._machine import Machine
 
 MIB = 2**20
 WORLDS = tuple(2**k for k in range(3, 11))  # 8 ... 1024
@@ -220,7 +222,7 @@ def capture_model(spec: ModelSpec) -> Captured:
     tokens = torch.zeros(spec.batch, spec.seq, dtype=torch.long, device="meta")
     args = (params, opt.init(params), buffers, (tokens, tokens))
     tensors = [t for t in optree.tree_leaves(args) if isinstance(t, torch.Tensor)]
-    with _axes.bind(_collectives.process_axis("data", None, traced=True)):
+    with _axes.bind(_ops.process_axis("data", None, traced=True)):
         captured = capture(_training_step(model, opt), args, tensors, fused_backward=True)[0]
     count = sum(p.numel() for p in params.values())
     return Captured(spec, captured.graph, count, list(params), time.perf_counter() - start)
@@ -1047,9 +1049,9 @@ def _validation(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[st
         "step by step in rotating order: fddp's step, a plain eager step on the rank's batch "
         "('local') and one all-reduce of a flat buffer of all gradients (`compare_ddp`'s "
         "`local` and `allreduce` variants); each time the slowest rank, then the median. After "
-        "each step fddp's probe (`fddp._machine.measure`) runs once; the `Machine` used is the "
-        "median of each figure (a single probe, as fddp takes it, is at the mercy of the load). "
-        "'replay' is `run_program` on the step's own scheduled graph (`pstep.graph()`) with "
+        "each step fddp's probe (`fddp._ranks._machine.measure`) runs once; the `Machine` used is "
+        "the median of each figure (a single probe, as fddp takes it, is at the mercy of the "
+        "load). 'replay' is `run_program` on the step's own scheduled graph (`pstep.graph()`) with "
         "fddp's per-node costs (`node_seconds`) under that `Machine`, synchronous (a CPU: "
         "dispatch, then the work); 'fddp model' is what fddp's cost model predicted for the "
         "cap it chose (from `schedule().bucket_cap`, its own single probe); 'calibrated' "

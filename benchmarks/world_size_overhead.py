@@ -52,9 +52,9 @@ import torch.multiprocessing as mp
 
 import fddp
 import fddp.optim as optim
-from fddp._agree import DigestCheck
-from fddp._digests import check_identical, varying
-from fddp._signature import signature_of
+from fddp._ranks._agree import DigestCheck
+from fddp._ranks._digests import check_identical, varying
+from fddp._ranks._signature import signature_of
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SIZES = (64, 64, 64, 64, 8)  # the MLP whose step's arguments are checked: 8 parameter leaves

@@ -1,20 +1,7 @@
 """fddp: JAX-style functional data parallelism on PyTorch."""
 
 from fddp import data, nn, optim, remat_policies
-from fddp._accumulate import accumulate_gradients
-from fddp._batches import shard
-from fddp._checkpoint import load, load_sharded, save, save_sharded
-from fddp._collectives import (
-    all_gather,
-    axis_index,
-    axis_size,
-    broadcast,
-    pmean,
-    psum,
-    psum_scatter,
-)
-from fddp._data_parallel import data_parallel
-from fddp._errors import (
+from fddp._base._errors import (
     CaptureError,
     PrintWhileTracingWarning,
     RankFailureError,
@@ -23,19 +10,32 @@ from fddp._errors import (
     SaveArrivalError,
     ScheduleMismatchError,
 )
-from fddp._grad import grad, value_and_grad
-from fddp._invariant import Invariant
-from fddp._low_comm import LowCommState, diloco, local_sgd
-from fddp._module import functional, state
-from fddp._pending import block_until_ready
-from fddp._persistent_cache import cache_dir, set_cache_dir
-from fddp._powersgd import powersgd
-from fddp._recovery import RecoverableStep, Recovery, recoverable
-from fddp._remat import remat, remat_name
-from fddp._runtime import init, rank, replicate, world_size
+from fddp._batches import shard
+from fddp._checkpoint import load, load_sharded, save, save_sharded
+from fddp._collectives._ops import (
+    all_gather,
+    axis_index,
+    axis_size,
+    broadcast,
+    pmean,
+    psum,
+    psum_scatter,
+)
+from fddp._compiler._cache._persistent import cache_dir, set_cache_dir
+from fddp._func._accumulate import accumulate_gradients
+from fddp._func._grad import grad, value_and_grad
+from fddp._func._invariant import Invariant
+from fddp._func._remat import remat, remat_name
+from fddp._func._vmap import vmap
+from fddp._lowcomm._low_comm import LowCommState, diloco, local_sgd
+from fddp._lowcomm._powersgd import powersgd
+from fddp._nn._module import functional, state
+from fddp._ranks._pending import block_until_ready
+from fddp._ranks._runtime import init, rank, replicate, world_size
+from fddp._ranks._timeline import plot_timeline
+from fddp._recovery._step import RecoverableStep, Recovery, recoverable
 from fddp._sharding import ShardedParams, full_params, full_state_dict, shard_params
-from fddp._timeline import plot_timeline
-from fddp._vmap import vmap
+from fddp._step._data_parallel import data_parallel
 
 __version__ = "0.1.0"
 

@@ -9,10 +9,10 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp import _runtime
-from fddp._axes import DEFAULT_AXIS
-from fddp._collectives import psum
-from fddp._tree import leaves_with_paths
+from fddp._base._axes import DEFAULT_AXIS
+from fddp._base._tree import leaves_with_paths
+from fddp._collectives._ops import psum
+from fddp._ranks import _runtime
 
 T = TypeVar("T")
 

@@ -5,8 +5,8 @@
 {'running_mean': tensor([0.5000])}
 """
 
-from fddp._precision import cast_floating, mixed_precision
-from fddp._syncbn import SyncBatchNorm, convert_sync_batchnorm, sync_batch_norm, sync_buffers
+from fddp._nn._precision import cast_floating, mixed_precision
+from fddp._nn._syncbn import SyncBatchNorm, convert_sync_batchnorm, sync_batch_norm, sync_buffers
 
 __all__ = [
     "SyncBatchNorm",

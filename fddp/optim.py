@@ -23,9 +23,10 @@ Example:
 import warnings
 from typing import Any
 
-from fddp import _types
-from fddp._finite import ApplyIfFiniteState, all_finite, apply_if_finite
-from fddp._optim import (
+from fddp._base import _types
+from fddp._base._types import GradientTransformation
+from fddp._optim._finite import ApplyIfFiniteState, all_finite, apply_if_finite
+from fddp._optim._transforms import (
     EmptyState,
     InjectHyperparamsState,
     MaskedState,
@@ -54,7 +55,6 @@ from fddp._optim import (
     warmup_cosine_decay_schedule,
 )
 from fddp._sharding import ShardedState, shard_state, state_bytes
-from fddp._types import GradientTransformation
 
 __all__ = [
     "ApplyIfFiniteState",

@@ -15,7 +15,7 @@
 dots_with_no_batch_dims_saveable
 """
 
-from fddp._remat import (
+from fddp._func._remat import (
     Policy,
     dots_saveable,
     dots_with_no_batch_dims_saveable,

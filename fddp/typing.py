@@ -22,12 +22,7 @@ Example:
     {'w': tensor([0.5000, 0.5000])}
 """
 
-from fddp._compiler._plan import CollectivePlan, Plan
-from fddp._compiler._remat import RegionPlan, RematPlan, SavedValue
-from fddp._data_parallel import DataParallelStep
-from fddp._low_comm import LowCommStep, Phase
-from fddp._powersgd import PowerSGD, PowerSGDState
-from fddp._types import (
+from fddp._base._types import (
     Batch,
     GradientTransformation,
     Grads,
@@ -40,6 +35,11 @@ from fddp._types import (
     TransformUpdateFn,
     Updates,
 )
+from fddp._compiler._passes._rematerialize import RegionPlan, RematPlan, SavedValue
+from fddp._compiler._plan import CollectivePlan, Plan
+from fddp._lowcomm._low_comm import LowCommStep, Phase
+from fddp._lowcomm._powersgd import PowerSGD, PowerSGDState
+from fddp._step._data_parallel import DataParallelStep
 
 __all__ = [
     "Batch",

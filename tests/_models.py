@@ -12,9 +12,10 @@ from torch import nn
 
 import fddp
 import fddp.optim as optim
-from fddp import _axes, _collectives
-from fddp._compiler import _repeated
-from fddp._compiler._capture import Captured, capture
+from fddp._base import _axes
+from fddp._collectives import _ops
+from fddp._compiler._capture import _repeated
+from fddp._compiler._capture._trace import Captured, capture
 
 
 def mlp(sizes: tuple[int, ...], *, bias: bool = True, seed: int = 0) -> nn.Sequential:
@@ -170,7 +171,7 @@ def captured_step(step, args: tuple) -> Captured:
     """``step(*args)`` captured as ``data_parallel`` captures it (make_fx first, the fused
     backward, pmean over a traced "data" axis), before scheduling."""
     tensors = [x for x in optree.tree_leaves(args) if isinstance(x, torch.Tensor)]
-    with _axes.bind(_collectives.process_axis("data", None, traced=True)):
+    with _axes.bind(_ops.process_axis("data", None, traced=True)):
         captured, _ = capture(step, args, tensors, fused_backward=True)
     return captured
 

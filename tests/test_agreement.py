@@ -18,8 +18,8 @@ from _models import mlp_step, regression_batch
 
 import fddp
 import fddp.optim as optim
-from fddp import _agree
-from fddp._errors import UsageValueError
+from fddp._base._errors import UsageValueError
+from fddp._ranks import _agree
 
 SIZES = (6, 16, 16, 16, 3)
 SMALL_BUCKETS = 300 / 2**20  # a few Linear layers per bucket: several buckets

@@ -19,7 +19,7 @@ from _compare import assert_trees_close, assert_trees_equal
 from torch import nn
 
 import fddp
-from fddp._compiler import _capture
+from fddp._compiler._capture import _trace
 
 
 def _lstm_model(
@@ -118,13 +118,13 @@ def test_a_step_that_needed_dynamo_is_not_traced_with_make_fx_again(monkeypatch)
     """A retrace (a new batch shape) of a step make_fx could not trace goes to Dynamo at once:
     the make_fx attempt would fail again, after tracing up to the failing line."""
     attempts = []
-    make_fx_trace = _capture.trace_with_make_fx
+    make_fx_trace = _trace.trace_with_make_fx
 
     def counted(*args, **kwargs):
         attempts.append(1)
         return make_fx_trace(*args, **kwargs)
 
-    monkeypatch.setattr(_capture, "trace_with_make_fx", counted)
+    monkeypatch.setattr(_trace, "trace_with_make_fx", counted)
     torch.manual_seed(0)
     w = torch.randn(4, 4)
 

@@ -20,12 +20,13 @@ import torch.nn.functional as F
 from _dist import run_checks
 
 import fddp
-from fddp import _axes, _collectives
-from fddp import _machine as _machine_module
-from fddp._bucket_policy import DDP_CAP_BYTES, CapPolicy, rule_of_thumb
-from fddp._compiler import _bucket, _cost
-from fddp._compiler._capture import capture
-from fddp._machine import Machine
+from fddp._base import _axes
+from fddp._collectives import _ops
+from fddp._collectives._bucket_policy import DDP_CAP_BYTES, CapPolicy, rule_of_thumb
+from fddp._compiler._capture._trace import capture
+from fddp._compiler._passes import _bucket, _cost
+from fddp._ranks import _machine as _machine_module
+from fddp._ranks._machine import Machine
 
 MIB = 2**20
 SIZES = (256,) * 9  # eight 256 KiB weights and their biases: 2 MiB of gradients
@@ -55,7 +56,7 @@ def captured():
     """The captured graph (before bucketing) and its per-leaf all-reduces."""
     step, params, batch = _step()
     tensors = [*params.values(), *batch]
-    with _axes.bind(_collectives.process_axis("data", None, traced=True)):
+    with _axes.bind(_ops.process_axis("data", None, traced=True)):
         graph = capture(step, (params, batch), tensors, fused_backward=True)[0].graph.graph
     return graph, _bucket.find_members(graph)
 

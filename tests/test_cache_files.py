@@ -24,7 +24,7 @@ import fddp.optim as optim
 
 SIZES = (8, 16, 4)
 LOADED = "loaded from cache"
-cache_module = fddp._persistent_cache
+cache_module = fddp._compiler._cache._persistent
 
 
 @pytest.fixture

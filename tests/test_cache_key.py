@@ -31,7 +31,7 @@ W, X = torch.ones(3, dtype=torch.float64), torch.linspace(-1.0, 1.0, 15).double(
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     directory = tmp_path / "programs"
-    monkeypatch.setattr(fddp._persistent_cache, "_directory", str(directory))
+    monkeypatch.setattr(fddp._compiler._cache._persistent, "_directory", str(directory))
     monkeypatch.setattr(sys, "dont_write_bytecode", True)  # an edit of equal size and second
     return directory
 
@@ -254,7 +254,7 @@ def test_an_upgraded_installed_library(tmp_path, dist):
 
 def test_a_step_reaching_state_it_cannot_read_is_compiled_in_memory(cache, monkeypatch):
     """A generator's state is C state, not in the key: the step is not cached (one warning)."""
-    monkeypatch.setattr(fddp._persistent_cache, "_said", set(), raising=False)
+    monkeypatch.setattr(fddp._compiler._cache._persistent, "_said", set(), raising=False)
     generator = torch.Generator()
 
     def step(w, x):

@@ -17,7 +17,7 @@ from _models import mlp_step, regression_batch
 
 import fddp
 import fddp.optim as optim
-from fddp import _machine
+from fddp._ranks import _machine
 
 SIZES = (6, 8, 3)
 

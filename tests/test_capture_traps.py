@@ -145,7 +145,7 @@ def test_eval_mode_on_two_ranks_equals_one_process_and_ranks_must_agree_on_it(ru
 def test_a_program_loaded_from_the_persistent_cache_is_captured_again_for_another_mode(
     tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(fddp._persistent_cache, "_directory", str(tmp_path / "programs"))
+    monkeypatch.setattr(fddp._compiler._cache._persistent, "_directory", str(tmp_path / "programs"))
     model, params, step = _bn_model_step()
     x, y = torch.randn(6, 3), torch.randn(6, 1)
     fddp.data_parallel(step)(params, x, y)  # train mode: captured and written

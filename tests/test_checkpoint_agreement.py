@@ -21,8 +21,8 @@ from _dist import run_checks
 
 import fddp
 import fddp.optim as optim
+from fddp._base._errors import UsageValueError
 from fddp._checkpoint import _manifest
-from fddp._errors import UsageValueError
 
 MANIFEST = "fddp-sharded.json"
 TINY = 200 / 2**20  # 200-byte buckets: several per tree, uneven over 2 ranks

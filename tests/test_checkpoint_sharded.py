@@ -145,7 +145,7 @@ def _full_disk_in_dcp(ending: str, room: int):
 @contextlib.contextmanager
 def _full_manifest():
     """fddp's own small files (the manifest) fill the disk after 10 bytes."""
-    from fddp import _files
+    from fddp._base import _files
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(

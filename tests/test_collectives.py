@@ -9,7 +9,7 @@ from _compare import assert_trees_close, assert_trees_equal
 from _dist import run_checks
 
 import fddp
-from fddp import _collectives
+from fddp._collectives import _ops
 
 Pair = collections.namedtuple("Pair", ["w", "b"])
 
@@ -89,7 +89,7 @@ def test_non_tensor_leaf_is_type_error_naming_its_path():
 
 
 def test_eager_buckets_group_consecutive_same_dtype_leaves_under_the_cap(monkeypatch):
-    monkeypatch.setattr(_collectives, "EAGER_BUCKET_BYTES", 64)
+    monkeypatch.setattr(_ops, "EAGER_BUCKET_BYTES", 64)
     leaves = [
         torch.ones(4),  # 16 B
         torch.ones(8),  # 32 B  -> 48 B, same bucket
@@ -98,7 +98,7 @@ def test_eager_buckets_group_consecutive_same_dtype_leaves_under_the_cap(monkeyp
         torch.ones(100),  # larger than the cap: a bucket of its own
         torch.ones(1),
     ]
-    assert _collectives._eager_buckets(leaves) == [[0, 1], [2], [3], [4], [5]]
+    assert _ops._eager_buckets(leaves) == [[0, 1], [2], [3], [4], [5]]
 
 
 # --- N ranks ---------------------------------------------------------------------------------
@@ -140,8 +140,8 @@ def _check_several_buckets() -> None:
         return [*out, torch.randn(100, generator=g), torch.randn(3, 3, generator=g)]
 
     calls = []
-    summed = _collectives._summed
-    _collectives._summed = lambda *a, **k: calls.append(a) or summed(*a, **k)
+    summed = _ops._summed
+    _ops._summed = lambda *a, **k: calls.append(a) or summed(*a, **k)
     try:
         # One all_reduce for the whole tree while it fits in a bucket of one dtype...
         assert_trees_close(
@@ -150,17 +150,17 @@ def _check_several_buckets() -> None:
         assert len(calls) == 1
         calls.clear()
         # ...and one per bucket when the cap is small.
-        saved = _collectives.EAGER_BUCKET_BYTES
-        _collectives.EAGER_BUCKET_BYTES = 64
+        saved = _ops.EAGER_BUCKET_BYTES
+        _ops.EAGER_BUCKET_BYTES = 64
         try:
-            buckets = _collectives._eager_buckets(tree(r))
+            buckets = _ops._eager_buckets(tree(r))
             assert len(buckets) >= 20
             assert_trees_close(fddp.psum(tree(r)), _reference(sum, [tree(k) for k in range(n)]))
             assert len(calls) == len(buckets)
         finally:
-            _collectives.EAGER_BUCKET_BYTES = saved
+            _ops.EAGER_BUCKET_BYTES = saved
     finally:
-        _collectives._summed = summed
+        _ops._summed = summed
 
 
 def _w_x(k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from fddp import _digests
+from fddp._ranks import _digests
 
 _MASK = 2**64
 

@@ -1,4 +1,4 @@
-"""The capture's fake inputs (``_capture.fake_inputs``): plain tensors made directly give the
+"""The capture's fake inputs (``_trace.fake_inputs``): plain tensors made directly give the
 graph ``FakeTensorMode.from_tensor`` gives, node for node with the same shared storages, also
 where arguments alias each other or the step closes over a view of one of them."""
 
@@ -11,20 +11,20 @@ from test_quick_record import _decoder_step, _described
 
 import fddp
 import fddp.optim as optim
-from fddp._compiler import _capture
+from fddp._compiler._capture import _trace
 
 
 def _graph(step, args, monkeypatch, *, direct: bool):
     made = []
-    plain = _capture._fake_of_plain
+    plain = _trace._fake_of_plain
 
     def counted(mode, x):
         made.append(x)
         return plain(mode, x)
 
     with monkeypatch.context() as m:
-        m.setattr(_capture, "_DIRECT_FAKES", direct)
-        m.setattr(_capture, "_fake_of_plain", counted)
+        m.setattr(_trace, "_DIRECT_FAKES", direct)
+        m.setattr(_trace, "_fake_of_plain", counted)
         captured = captured_step(step, args)
     return captured.graph.graph, len(made)
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import fddp
 import fddp.optim as optim
-from fddp._errors import UsageValueError
+from fddp._base._errors import UsageValueError
 
 GLOBAL = 24  # examples per step: 24, 12, 8 and 6 per rank on 1-4 ranks
 CHUNK = 2

@@ -17,7 +17,7 @@ from torch import nn
 
 import fddp
 import fddp.optim as optim
-from fddp._errors import UsageValueError
+from fddp._base._errors import UsageValueError
 
 GLOBAL, CHUNK, STEPS = 6, 1, 2  # 6 chunks: 6 on one rank, 2 on each of 3
 TINY = 64 / 2**20  # 64-byte buckets of sharded state and parameters: several, uneven over 3

@@ -12,18 +12,19 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fddp"
 PAGE = ROOT / "docs" / "architecture.md"
 TABLE_HEADING = "## Layers"
+COMPILER_HEADING = "## Rooms of the compiler"
 
 
 @dataclasses.dataclass(frozen=True)
 class Layer:
     name: str
-    entries: tuple[str, ...]  # "_tree" is fddp/_tree.py, "_compiler/" every module under it
+    entries: tuple[str, ...]  # "_batches" is fddp/_batches.py, "_compiler/" every module under it
     may_import: frozenset[str]  # besides its own layer
 
 
 @dataclasses.dataclass(frozen=True)
 class Import:
-    target: str  # a module of fddp, dotted: "fddp._tree"
+    target: str  # a module of fddp, dotted: "fddp._base._tree"
     line: int
 
 
@@ -31,11 +32,10 @@ def _cells(row: str) -> list[str]:
     return [cell.strip() for cell in row.strip().strip("|").split("|")]
 
 
-@functools.cache
-def layers() -> tuple[Layer, ...]:
-    """The rows of the table under ``## Layers`` in docs/architecture.md, bottom layer first."""
+def _table(heading: str) -> list[list[str]]:
+    """The rows of the table under ``heading`` in docs/architecture.md, header first."""
     lines = PAGE.read_text().splitlines()
-    start = lines.index(TABLE_HEADING)
+    start = lines.index(heading)
     rows = []
     for line in lines[start + 1 :]:
         if line.startswith("|"):
@@ -43,7 +43,14 @@ def layers() -> tuple[Layer, ...]:
         elif rows:
             break
     header, _, *body = rows
-    assert header[:3] == ["Layer", "Modules", "May import"], header
+    return [header, *body]
+
+
+@functools.cache
+def layers() -> tuple[Layer, ...]:
+    """The rows of the table under ``## Layers`` in docs/architecture.md, bottom layer first."""
+    header, *body = _table(TABLE_HEADING)
+    assert header[:3] == ["Layer", "Rooms", "May import"], header
     table = []
     for name, modules, may, *_ in body:
         below = set() if may == "nothing" else {m.strip() for m in may.split(",")}
@@ -191,3 +198,48 @@ def test_no_import_circles():
         "import circles (an import under `if TYPE_CHECKING:` or inside a function counts: move "
         "what both need into a module below them):\n" + "\n".join(circles)
     )
+
+
+@functools.cache
+def compiler_rooms() -> tuple[tuple[str, ...], ...]:
+    """The rooms of ``## Rooms of the compiler``, in compile order (a row's rooms side by side)."""
+    _, *body = _table(COMPILER_HEADING)
+    return tuple(tuple(re.findall(r"`([^`]+)`", cells[0])) for cells in body)
+
+
+def compiler_room_of(module: str) -> int | None:
+    """The row of ``module``'s room in the compiler's table (None outside the compiler)."""
+    if not entry_of(module).startswith("_compiler/") or module == "fddp._compiler":
+        return None
+    found = [i for i, row in enumerate(compiler_rooms()) if any(matches(e, module) for e in row)]
+    assert len(found) == 1, f"{module} is in compiler rooms {found}: add it to exactly one row"
+    return found[0]
+
+
+def test_the_compiler_imports_only_rooms_before_its_own():
+    problems = []
+    for module, path in modules().items():
+        mine = compiler_room_of(module)
+        if mine is None:
+            continue
+        for imp in fddp_imports(path):
+            target = _target_module(imp.target)
+            theirs = compiler_room_of(target)
+            if theirs is not None and theirs > mine:
+                problems.append(
+                    f"{path.relative_to(ROOT)}:{imp.line} imports {target}, a compiler room "
+                    f"listed after its own ({', '.join(compiler_rooms()[mine])}): the compiler "
+                    "reads in compile order (docs/architecture.md, Rooms of the compiler)"
+                )
+    assert not problems, "\n".join(problems)
+
+
+def test_the_top_level_names_concepts():
+    """``ls fddp/`` is the list of rooms: a folder per concept, the public modules, nothing else."""
+    named = {e.rstrip("/") for layer in layers() for e in layer.entries if "/" not in e.rstrip("/")}
+    present = {
+        p.stem if p.suffix == ".py" else p.name
+        for p in PACKAGE.iterdir()
+        if (p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists()))
+    }
+    assert present <= named, f"top-level entries missing from the layer table: {present - named}"

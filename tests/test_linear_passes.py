@@ -19,18 +19,9 @@ import torch.fx.graph as fx_graph
 from _models import captured_step, mlp_step, regression_batch
 
 import fddp.optim as optim
-from fddp._bucket_policy import CapPolicy
-from fddp._compiler import (
-    _backend,
-    _bucket,
-    _cost,
-    _gate,
-    _overlap,
-    _pipeline,
-    _plan,
-    _reinplace,
-    _replication,
-)
+from fddp._collectives._bucket_policy import CapPolicy
+from fddp._compiler import _backend, _pipeline, _plan
+from fddp._compiler._passes import _bucket, _cost, _gate, _overlap, _reinplace, _replication
 
 PASSES = {
     _replication: ["dependencies"],

@@ -21,7 +21,7 @@ from _models import mlp, regression_batch
 
 import fddp
 import fddp.optim as optim
-from fddp._low_comm import Cadence, Phase, fragment_bounds, fragment_offsets
+from fddp._lowcomm._low_comm import Cadence, Phase, fragment_bounds, fragment_offsets
 
 SIZES = (6, 8, 8, 3)  # 6 leaves: three weights, three biases
 ROWS = 4  # per replica

@@ -20,7 +20,7 @@ from test_low_comm import _batch, _inner_step, _model, _reference
 
 import fddp
 import fddp.optim as optim
-from fddp._errors import UsageValueError
+from fddp._base._errors import UsageValueError
 
 # --- checks on ranks ---
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import fddp
 import fddp.optim as optim
-from fddp._errors import UsageTypeError, UsageValueError
+from fddp._base._errors import UsageTypeError, UsageValueError
 
 SIZES = (6, 8, 3)
 STEPS = 8

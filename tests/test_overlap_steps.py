@@ -356,7 +356,7 @@ def test_overlap_steps_needs_the_fx_runner():
 
 def test_pending_tensor_behaves_as_its_value_once_completed():
     """No public surface for a deferred tail made by hand, nor for how often it runs."""
-    from fddp._pending import Deferred, PendingTensor
+    from fddp._ranks._pending import Deferred, PendingTensor
 
     calls = []
 
@@ -381,7 +381,7 @@ def test_pending_tensor_behaves_as_its_value_once_completed():
 
 def test_a_tail_that_fails_leaves_outputs_that_raise_instead_of_half_updated_values():
     """No public surface: nothing public makes one rank's wait of a launched collective fail."""
-    from fddp._pending import Deferred, PendingTensor
+    from fddp._ranks._pending import Deferred, PendingTensor
 
     def tail(carried):
         carried[0].add_(1)  # part of the update lands, then the wait fails

@@ -23,7 +23,7 @@ from _models import mlp_step, regression_batch
 
 import fddp
 import fddp.optim as optim
-from fddp._compiler import _store
+from fddp._compiler._cache import _store
 
 SIZES = (8, 16, 4)
 LOADED = "loaded from cache"
@@ -32,7 +32,7 @@ LOADED = "loaded from cache"
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     directory = tmp_path / "programs"
-    monkeypatch.setattr(fddp._persistent_cache, "_directory", str(directory))
+    monkeypatch.setattr(fddp._compiler._cache._persistent, "_directory", str(directory))
     return directory
 
 
@@ -63,7 +63,9 @@ def test_a_new_step_loads_the_program_and_computes_the_same(cache):
 
 
 def test_the_cache_is_off_unless_a_directory_is_given(tmp_path, monkeypatch):
-    monkeypatch.setattr(fddp._persistent_cache, "_directory", fddp._persistent_cache._UNSET)
+    monkeypatch.setattr(
+        fddp._compiler._cache._persistent, "_directory", fddp._compiler._cache._persistent._UNSET
+    )
     monkeypatch.delenv("FDDP_CACHE_DIR", raising=False)
     assert fddp.cache_dir() is None
     monkeypatch.setenv("FDDP_CACHE_DIR", str(tmp_path / "env"))

@@ -20,7 +20,7 @@ from _models import (
 
 import fddp
 import fddp.optim as optim
-from fddp._compiler import _quick_record
+from fddp._compiler._capture import _quick_record
 
 
 def _graph(step, args, monkeypatch, *, quick: bool):

@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fddp
-from fddp._annotations import REMAT_NAME, REMAT_RECOMPUTED
-from fddp._compiler import _remat as remat_pass
+from fddp._base._annotations import REMAT_NAME, REMAT_RECOMPUTED
+from fddp._compiler._passes import _rematerialize as remat_pass
 
 P = fddp.remat_policies
 LAYERS = 3

@@ -19,7 +19,7 @@ from torch import nn
 
 import fddp
 import fddp.optim as optim
-from fddp._compiler import _repeated
+from fddp._compiler._capture import _repeated
 
 FULL = fddp.remat_policies.nothing_saveable
 TINY = 200 / 2**20  # 200-byte buckets: one gather per few leaves

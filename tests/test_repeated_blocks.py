@@ -18,7 +18,7 @@ from torch import nn
 
 import fddp
 import fddp.optim as optim
-from fddp._compiler import _repeated
+from fddp._compiler._capture import _repeated
 
 
 class Decoder(nn.Module):

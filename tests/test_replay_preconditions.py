@@ -23,7 +23,7 @@ from _models import captured_counting_replays, captured_step, next_token_loss, t
 from torch import nn
 
 import fddp
-from fddp._compiler import _repeated
+from fddp._compiler._capture import _repeated
 
 DIM = 8
 

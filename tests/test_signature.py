@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from fddp._signature import StaticSpec, TensorSpec, signature_of
+from fddp._ranks._signature import StaticSpec, TensorSpec, signature_of
 
 
 def _args(w=None, scale=0.5, same=False):

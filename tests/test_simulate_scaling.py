@@ -18,9 +18,9 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import simulate_scaling as sim  # noqa: E402
 
-from fddp._annotations import LEAF_PATH  # noqa: E402
-from fddp._compiler import _bucket  # noqa: E402
+from fddp._base._annotations import LEAF_PATH  # noqa: E402
 from fddp._compiler._graph import ALL_REDUCE, WAIT  # noqa: E402
+from fddp._compiler._passes import _bucket  # noqa: E402
 
 MIB = 2**20
 GBIT = 1e9 / 8

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as bound_checkpoint  # Hugging Face's binding
 
 import fddp
-from fddp._errors import UsageValueError
+from fddp._base._errors import UsageValueError
 
 MODES = ("none", "non_reentrant", "reentrant", "bound", "sequential")
 

@@ -9,9 +9,9 @@ import optree
 import torch
 import torch.distributed as dist
 
+from fddp._base._tree import path_str
 from fddp._checkpoint._like import is_sharded
 from fddp._sharding import ShardedParams, bucket_piece
-from fddp._tree import path_str
 
 if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint pulls in
     # torch.distributed.nn, which `import fddp` must not (see tests/_exit_script.py)

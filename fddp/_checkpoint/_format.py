@@ -9,7 +9,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from fddp import _files
+from fddp._base import _files
 
 __all__ = ["TORCH_LOAD_SAYS", "VERSION", "read", "unpickler_reason", "write"]
 

@@ -8,9 +8,9 @@ from typing import Any
 import optree
 import torch
 
-from fddp._errors import UsageValueError
+from fddp._base._errors import UsageValueError
+from fddp._base._tree import path_str
 from fddp._sharding import ShardedParams, ShardedState
-from fddp._tree import path_str
 
 __all__ = [
     "NotATensor",

@@ -8,7 +8,7 @@ import os
 import re
 from typing import Any, BinaryIO
 
-from fddp import _files
+from fddp._base import _files
 
 __all__ = ["MANIFEST", "publish", "published", "read", "remove_unpublished"]
 

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fddp import _agree, _digests, _runtime
+from fddp._base._errors import SaveArrivalError, UsageValueError
+from fddp._base._types import TensorTree
 from fddp._checkpoint import _format, _like
-from fddp._errors import SaveArrivalError, UsageValueError
-from fddp._types import TensorTree
+from fddp._ranks import _agree, _digests, _runtime
 
 __all__ = ["save_from_rank0"]
 

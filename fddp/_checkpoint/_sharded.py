@@ -12,12 +12,13 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from fddp import _agree, _files, _machine, _pending, _runtime
+from fddp._base import _files
+from fddp._base._errors import RankFailureError, UsageValueError
+from fddp._base._types import TensorTree
 from fddp._checkpoint import _dcp, _like, _manifest, _storage
 from fddp._checkpoint._source import METADATA, Source
-from fddp._errors import RankFailureError, UsageValueError
+from fddp._ranks import _agree, _machine, _pending, _runtime
 from fddp._sharding import cut_ranks
-from fddp._types import TensorTree
 
 __all__ = ["load_sharded", "save_sharded"]
 

@@ -9,11 +9,11 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp import _machine, _pending
+from fddp._base._errors import UsageValueError
+from fddp._base._types import TensorTree
 from fddp._checkpoint import _format, _like, _rank0
-from fddp._errors import UsageValueError
+from fddp._ranks import _machine, _pending
 from fddp._sharding import ShardedState
-from fddp._types import TensorTree
 
 __all__ = ["load", "save"]
 

@@ -13,7 +13,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from fddp import _files
+from fddp._base import _files
 from fddp._checkpoint import _dcp, _like, _manifest, _storage
 
 __all__ = ["METADATA", "Source"]

@@ -14,9 +14,10 @@ from typing import Any, BinaryIO, NamedTuple, Protocol, cast
 
 import torch
 
-from fddp import _agree, _files, _runtime
+from fddp._base import _files
+from fddp._base._errors import RankFailureError
 from fddp._checkpoint import _format
-from fddp._errors import RankFailureError
+from fddp._ranks import _agree, _runtime
 
 __all__ = ["MetadataUnpickler", "RefusedGlobal", "Source", "dcp", "errors", "one_process_quietly"]
 

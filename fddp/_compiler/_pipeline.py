@@ -9,27 +9,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fddp._agree import find_difference, raise_everywhere
-from fddp._bucket_policy import CapPolicy, Choice
-from fddp._compiler import (
+from fddp._base._errors import ScheduleMismatchError
+from fddp._collectives._bucket_policy import CapPolicy, Choice
+from fddp._compiler import _backend, _plan
+from fddp._compiler._capture._trace import Captured, capture
+from fddp._compiler._graph import comparable_lines
+from fddp._compiler._passes import (
     _across_steps,
-    _backend,
     _bucket,
     _cost,
     _gate,
     _overlap,
     _param_gathers,
-    _plan,
     _reinplace,
-    _remat,
+    _rematerialize,
     _replication,
 )
-from fddp._compiler._capture import Captured, capture
-from fddp._compiler._graph import comparable_lines
 from fddp._compiler._program import Compiled, Program, collector_paused
-from fddp._errors import ScheduleMismatchError
-from fddp._machine import Machine
-from fddp._remat import Policy
+from fddp._func._remat import Policy
+from fddp._ranks._agree import find_difference, raise_everywhere
+from fddp._ranks._machine import Machine
 
 BACKENDS = ("fx", "inductor")  # run the scheduled FX graph, or compile it with Inductor
 
@@ -66,7 +65,7 @@ def schedule_graph(
     graph = gm.graph
     _param_gathers.drop_unused_collectives(graph)
     # Inductor draws random numbers its own way: there a random op's output is kept instead
-    remat = _remat.rematerialise(graph, options.remat, replay_rng=options.backend == "fx")
+    remat = _rematerialize.rematerialise(graph, options.remat, replay_rng=options.backend == "fx")
     output_dependencies, rank_bit = _replication.dependencies(graph)
     _overlap.hoist_gradient_sums(graph)
     members = _bucket.find_members(graph)
@@ -119,7 +118,7 @@ def choose_cap(
 ) -> Choice:
     """The bucket cap for a graph of ``profile`` (the cost model needs a ``machine``), or the
     ``agreed`` one: the cap of the programs the persistent cache holds, which the ranks take
-    from rank 0 (``fddp._persistent_cache.proposal``)."""
+    from rank 0 (``fddp._compiler._cache._persistent.proposal``)."""
     machine = machine if profile.reductions else None
     predict = profile.predictor(policy.first, machine) if machine else None
     choice = policy.choose(_bucket.total_bytes(profile.reductions), machine, predict)
@@ -163,7 +162,7 @@ def compile_step(
             compiled = cached() if cached is not None else None
             if compiled is None:
                 if options.remat is not None:  # the model's repeated blocks become regions
-                    step_fn = _remat.marking_blocks(step_fn)
+                    step_fn = _rematerialize.marking_blocks(step_fn)
                 captured, dynamo = capture(
                     step_fn, args, tensors, fused_backward=options.in_place, method=method
                 )

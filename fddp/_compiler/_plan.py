@@ -10,11 +10,11 @@ import torch
 import torch.distributed
 from torch import fx
 
-from fddp._annotations import BUCKET_LEAVES, LEAF_PATH
-from fddp._compiler import _param_gathers
-from fddp._compiler._bucket import BucketNodes
+from fddp._base._annotations import BUCKET_LEAVES, LEAF_PATH
 from fddp._compiler._graph import is_collective, is_compute, nbytes
-from fddp._compiler._remat import RematPlan
+from fddp._compiler._passes import _param_gathers
+from fddp._compiler._passes._bucket import BucketNodes
+from fddp._compiler._passes._rematerialize import RematPlan
 
 
 @dataclasses.dataclass(frozen=True)

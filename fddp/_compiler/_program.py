@@ -13,12 +13,13 @@ import optree
 import torch
 from torch import fx
 
-from fddp import _axes
-from fddp._agree import digest
-from fddp._compiler import _across_steps, _backend, _cost, _gate, _plan
-from fddp._compiler._capture import Captured, DynamoCapture
+from fddp._base import _axes
+from fddp._compiler import _backend, _plan
+from fddp._compiler._capture._trace import Captured, DynamoCapture
 from fddp._compiler._graph import comparable_lines
-from fddp._signature import leaf_paths
+from fddp._compiler._passes import _across_steps, _cost, _gate
+from fddp._ranks._agree import digest
+from fddp._ranks._signature import leaf_paths
 
 RANK_SOURCE = "the rank (fddp.axis_index, or a psum_scatter block)"
 

@@ -10,9 +10,10 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp import _axes, _mesh, _runtime
-from fddp._collectives import ProcessAxis, named_axis
-from fddp._errors import UsageTypeError, UsageValueError
+from fddp._base import _axes
+from fddp._base._errors import UsageTypeError, UsageValueError
+from fddp._collectives._ops import ProcessAxis, named_axis
+from fddp._ranks import _mesh, _runtime
 from fddp._sharding._gather import unpacked
 from fddp._sharding._layout import bucket_views
 from fddp._sharding._params import Layout, ShardedParams, bound, check_group, check_replicas

@@ -9,9 +9,9 @@ import optree
 import torch
 from torch.fx import traceback as fx_traceback
 
-from fddp import _gathered
-from fddp._annotations import LEAF_PATH, PARAM_GATHER, PARAM_GATHER_KEPT
-from fddp._collectives import ProcessAxis, all_gather, gather_rows, named_axis
+from fddp._base._annotations import LEAF_PATH, PARAM_GATHER, PARAM_GATHER_KEPT
+from fddp._collectives._ops import ProcessAxis, all_gather, gather_rows, named_axis
+from fddp._sharding import _gathered
 from fddp._sharding._layout import Bucket, bucket_views
 from fddp._sharding._params import Layout, ShardedParams
 

@@ -6,9 +6,10 @@ import dataclasses
 
 import optree
 
-from fddp import _axes, _mesh
-from fddp._collectives import ProcessAxis, named_axis
-from fddp._errors import UsageValueError
+from fddp._base import _axes
+from fddp._base._errors import UsageValueError
+from fddp._collectives._ops import ProcessAxis, named_axis
+from fddp._ranks import _mesh
 
 
 @dataclasses.dataclass(frozen=True)

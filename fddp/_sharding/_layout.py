@@ -9,9 +9,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fddp import _bucket_policy
-from fddp._collectives import ProcessAxis, axis_index, named_axis
-from fddp._errors import UsageTypeError, UsageValueError
+from fddp._base._errors import UsageTypeError, UsageValueError
+from fddp._collectives import _bucket_policy
+from fddp._collectives._ops import ProcessAxis, axis_index, named_axis
 
 Shapes = tuple[tuple[tuple[int, ...], torch.dtype], ...]  # (shape, dtype) of each leaf
 

@@ -13,13 +13,13 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp import _axes
-from fddp._axes import DEFAULT_AXIS
-from fddp._collectives import axis_size, process_axis
-from fddp._errors import UsageTypeError, UsageValueError
+from fddp._base import _axes
+from fddp._base._axes import DEFAULT_AXIS
+from fddp._base._errors import UsageTypeError, UsageValueError
+from fddp._base._tree import path_str, tensor_leaves
+from fddp._collectives._ops import axis_size, process_axis
 from fddp._sharding._group import members_of, ranks_of
 from fddp._sharding._layout import Bucket, cap_bytes, layout_of, own_shard
-from fddp._tree import path_str, tensor_leaves
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,11 +8,12 @@ from typing import Any, NamedTuple, cast
 import optree
 import torch
 
-from fddp import _axes, _gathered, _invariant_marks
-from fddp._axes import DEFAULT_AXIS
-from fddp._collectives import all_gather, axis_index, axis_size, pmean, psum_scatter
-from fddp._errors import UsageTypeError
-from fddp._shard_axes import call_update, takes_shard_axes
+from fddp._base import _axes, _invariant_marks
+from fddp._base._axes import DEFAULT_AXIS
+from fddp._base._errors import UsageTypeError
+from fddp._base._types import GradientTransformation, OptState, Params, Updates
+from fddp._collectives._ops import all_gather, axis_index, axis_size, pmean, psum_scatter
+from fddp._sharding import _gathered
 from fddp._sharding._group import Members, check_hybrid, check_members, members_of
 from fddp._sharding._layout import (
     Bucket,
@@ -24,7 +25,7 @@ from fddp._sharding._layout import (
     own_shard,
     pieces,
 )
-from fddp._types import GradientTransformation, OptState, Params, Updates
+from fddp._sharding._shard_axes import call_update, takes_shard_axes
 
 
 class ShardedState(NamedTuple):

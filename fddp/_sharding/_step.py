@@ -8,8 +8,8 @@ from typing import Any
 import optree
 import torch
 
-from fddp import _gathered
-from fddp._errors import UsageValueError
+from fddp._base._errors import UsageValueError
+from fddp._sharding import _gathered
 from fddp._sharding._full import full_params, full_state_dict
 from fddp._sharding._gather import skeleton, unpacked
 from fddp._sharding._layout import own_shard
@@ -34,7 +34,7 @@ def gathering(
     parameters' first use and gathers again where they are used after other buckets (the
     backward pass). Where the output is ``apply_updates(params, updates)`` of ``shard_state``
     updates, each shard is this replica's parameter shard plus its update shard, and the
-    updates are never gathered (``fddp._gathered`` recognises that case).
+    updates are never gathered (``fddp._sharding._gathered`` recognises that case).
 
     ``one_at_a_time``: the step runs as fddp schedules it, whose parameter gathers never
     overlap (``_compiler._param_gathers``), so they may use gloo's own all-gather. Not under

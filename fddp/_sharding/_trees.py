@@ -6,11 +6,11 @@ from typing import Any
 
 import optree
 
-from fddp._errors import UsageValueError
+from fddp._base._errors import UsageValueError
+from fddp._base._tree import path_str
 from fddp._sharding._group import ranks_of
 from fddp._sharding._params import ShardedParams
 from fddp._sharding._state import ShardedState
-from fddp._tree import path_str
 
 _SHARDED = (ShardedParams, ShardedState)
 

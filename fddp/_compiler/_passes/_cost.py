@@ -1,0 +1,124 @@
+"""Predicted step time from the captured graph, for the bucket policy's cost model."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import optree
+import torch
+from torch import fx
+from torch.utils.flop_counter import flop_registry
+
+from fddp._collectives._bucket_policy import Predict
+from fddp._compiler._graph import is_collective, is_view, is_wait
+from fddp._compiler._passes import _bucket
+from fddp._ranks._machine import Machine
+
+_NODES_PER_BUCKET = 6  # empty, launch, wait, split and views that each bucket adds
+
+
+def _fake_value(arg: fx.node.Argument) -> object:
+    return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+
+
+def _tensor_bytes(node: fx.Node) -> int:
+    leaves = optree.tree_leaves(node.meta.get("val"))
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def _flops(node: fx.Node) -> float | None:
+    """The node's FLOPs where torch's flop counter knows its op, else None."""
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet not in flop_registry:
+        return None
+    args, kwargs = optree.tree_map(
+        _fake_value, (node.args, node.kwargs), is_leaf=lambda x: isinstance(x, fx.Node)
+    )
+    try:
+        return flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val"))
+    except Exception:  # an overload the counter does not know
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """What the prediction needs of a graph, free of any machine's figures: per node whether it
+    costs a dispatch, its FLOPs and the bytes it moves (the FLOPs win where both are known),
+    and the all-reduces to bucket. Plain values: a program in the persistent cache keeps its
+    profile, so a restarted run chooses its cap as a fresh compile would."""
+
+    dispatched: tuple[bool, ...]
+    flops: tuple[float, ...]
+    moved: tuple[int, ...]
+    reductions: tuple[_bucket.Reduction, ...]
+
+    def seconds(self, machine: Machine) -> list[float]:
+        """Predicted seconds of each node, in graph order."""
+        return [
+            0.0
+            if not dispatched
+            else machine.seconds_per_node
+            + flops * machine.seconds_per_flop
+            + moved * machine.seconds_per_byte_moved
+            for dispatched, flops, moved in zip(self.dispatched, self.flops, self.moved)
+        ]
+
+    def predictor(self, first_cap: int, machine: Machine) -> Predict:
+        """A function from a cap to the predicted seconds of the step with that cap's buckets."""
+        seconds = self.seconds(machine)
+        reductions = list(self.reductions)
+        return lambda cap: predict(seconds, _bucket.assign(reductions, cap, first_cap), machine)
+
+
+def profile(graph: fx.Graph, members: list[_bucket.Member]) -> Profile:
+    """The graph's :class:`Profile`; collectives and waits cost nothing here (``predict``
+    counts the bucketed ones)."""
+    dispatched, flops, moved = [], [], []
+    for node in graph.nodes:
+        counted = node.op == "call_function" and not is_collective(node) and not is_wait(node)
+        node_flops = _flops(node) if counted and not is_view(node) else None
+        node_moved = 0
+        if counted and not is_view(node) and node_flops is None:
+            node_moved = sum(map(_tensor_bytes, node.all_input_nodes)) + _tensor_bytes(node)
+        dispatched.append(counted)
+        flops.append(float(node_flops or 0.0))
+        moved.append(node_moved)
+    reductions = tuple(_bucket.Reduction.of(m) for m in members)
+    return Profile(tuple(dispatched), tuple(flops), tuple(moved), reductions)
+
+
+def node_seconds(graph: fx.Graph, machine: Machine) -> list[float]:
+    """Predicted seconds of each node of ``graph``, in graph order."""
+    return profile(graph, []).seconds(machine)
+
+
+def predict(
+    seconds: list[float], buckets: Sequence[Sequence[_bucket.Reduction]], machine: Machine
+) -> float:
+    """Seconds of the step when ``buckets`` are reduced: compute and wire as two queues."""
+    launches: dict[int, list[int]] = {}
+    waits: dict[int, list[int]] = {}
+    sizes = []
+    for i, bucket in enumerate(buckets):
+        launches.setdefault(max(m.ready for m in bucket), []).append(i)
+        waits.setdefault(min(m.first_use for m in bucket), []).append(i)
+        sizes.append(_bucket.total_bytes(bucket))
+    arrival = [0.0] * len(buckets)
+    now = wire_free = 0.0
+    for position, cost in enumerate(seconds):
+        for i in waits.get(position, ()):
+            now = max(now, arrival[i])
+        now += cost
+        for i in launches.get(position, ()):
+            now += _NODES_PER_BUCKET * machine.seconds_per_node
+            wire_free = max(now, wire_free) + machine.latency + sizes[i] * machine.seconds_per_byte
+            arrival[i] = wire_free
+    return max(now, wire_free)
+
+
+def predictor(
+    graph: fx.Graph, members: list[_bucket.Member], first_cap: int, machine: Machine
+) -> Predict:
+    """A function from a cap to the predicted seconds of the step with that cap's buckets."""
+    return profile(graph, members).predictor(first_cap, machine)

@@ -1,0 +1,137 @@
+"""Gradient accumulation: the value and gradient of a loss over microbatches of one batch."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+
+from fddp._base._tree import leaves_with_paths
+from fddp._func._grad import value_and_grad
+
+
+def _split(batch: Any, k: int, argnum: int) -> tuple[list[Any], list[int]]:
+    """``k`` slices of every tensor leaf of ``batch`` along dim 0, and the rows of each slice."""
+    paths, leaves, spec = leaves_with_paths(batch)
+    rows = None
+    parts: list[list[Any]] = []
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            parts.append([leaf] * k)
+            continue
+        if leaf.dim() == 0 or (rows is not None and leaf.shape[0] != rows):
+            raise ValueError(
+                f"accumulate_gradients: batch argument {argnum} leaf {path} has shape "
+                f"{list(leaf.shape)}, but every tensor in a batch needs the same leading (row) "
+                f"dimension{f' ({rows})' if rows is not None else ''} to be split into "
+                "microbatches. Move per-batch constants to an argument not in batch_argnums."
+            )
+        rows = leaf.shape[0]
+        parts.append(list(torch.tensor_split(leaf, k)))
+    if rows is None:
+        raise ValueError(
+            f"accumulate_gradients: batch argument {argnum} holds no tensor to split; "
+            "batch_argnums must select the arguments that hold the batch."
+        )
+    if rows < k:
+        raise ValueError(
+            f"accumulate_gradients: a batch of {rows} rows cannot make {k} non-empty "
+            "microbatches; use num_microbatches <= rows."
+        )
+    micro = [optree.tree_unflatten(spec, [p[i] for p in parts]) for i in range(k)]
+    return micro, [len(s) for s in torch.tensor_split(torch.empty(rows, 0), k)]
+
+
+def accumulate_gradients(
+    loss_fn: Callable[..., Any],
+    num_microbatches: int,
+    *,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    batch_argnums: int | Sequence[int] = -1,
+) -> Callable[..., Any]:
+    """``fddp.value_and_grad`` of ``loss_fn``, computed over microbatches and averaged.
+
+    The returned function splits every tensor leaf of the batch arguments along dim 0 into
+    ``num_microbatches`` slices (``torch.tensor_split``: sizes differ by at most one row), runs
+    the forward and backward pass on one slice at a time (peak activation memory of one
+    microbatch), and returns the row-weighted mean of the losses and of the gradients, which
+    for a loss that is a mean over rows equals the value and gradient on the whole batch.
+
+    This is DDP's ``no_sync()`` without a context manager: nothing is communicated here, so
+    inside ``fddp.data_parallel`` one ``fddp.pmean`` of the result costs one all-reduce per
+    bucket for all microbatches, overlapped with the last microbatch's backward pass.
+
+    Args:
+        loss_fn: ``loss_fn(*args) -> loss`` (or ``(loss, aux)`` with ``has_aux=True``).
+        num_microbatches: how many slices the batch is cut into.
+        argnums: the arguments to differentiate, as in :func:`fddp.value_and_grad`.
+        has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+        batch_argnums: the arguments holding the batch (default: the last one).
+
+    Returns:
+        ``f(*args) -> (loss, grads)``, or ``((loss, auxes), grads)`` with ``has_aux=True``,
+        where ``auxes`` is the list of each microbatch's ``aux``.
+
+    >>> import fddp, torch
+    >>> loss_fn = lambda w, x: ((x @ w) ** 2).mean()
+    >>> w, x = torch.ones(2), torch.tensor([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]])
+    >>> fddp.accumulate_gradients(loss_fn, 2)(w, x)  # microbatches of 2 and 1 rows
+    (tensor(3.), tensor([2., 4.]))
+    >>> fddp.value_and_grad(loss_fn)(w, x)
+    (tensor(3.), tensor([2., 4.]))
+    """
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(
+            f"accumulate_gradients: num_microbatches must be a positive int, got "
+            f"{num_microbatches!r}."
+        )
+    vg = value_and_grad(loss_fn, argnums=argnums, has_aux=has_aux)
+    diff_nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    batch_nums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
+    k = num_microbatches
+
+    @functools.wraps(loss_fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        n = len(args)
+        for m in (*batch_nums, *diff_nums):
+            if not -n <= m < n:
+                raise ValueError(
+                    f"accumulate_gradients: argument index {m} is out of range for "
+                    f"{n} positional arguments."
+                )
+        batch_set = {m % n for m in batch_nums}
+        if batch_set & {m % n for m in diff_nums}:
+            raise ValueError(
+                "accumulate_gradients: batch_argnums and argnums overlap; the batch is split, "
+                "the differentiated arguments (parameters) are not. Pass batch_argnums."
+            )
+        splits = {m: _split(args[m], k, m) for m in sorted(batch_set)}
+        sizes = {tuple(s) for _, s in splits.values()}
+        if len(sizes) > 1:
+            raise ValueError(
+                "accumulate_gradients: the batch arguments have different numbers of rows; "
+                "every batch argument must hold the same rows."
+            )
+        (rows,) = sizes
+        equal = len(set(rows)) == 1
+        total: Any = None
+        auxes = []
+        for i in range(k):
+            micro_args = [splits[m][0][i] if m in splits else a for m, a in enumerate(args)]
+            value, grads = vg(*micro_args, **kwargs)
+            if has_aux:
+                value, aux = value
+                auxes.append(aux)
+            out = (value, grads)
+            if not equal:
+                out = optree.tree_map(lambda t, r=rows[i]: t * r, out)
+            total = out if total is None else optree.tree_map(torch.add, total, out)
+        divisor = k if equal else sum(rows)
+        value, grads = optree.tree_map(lambda t: t / divisor, total)
+        return ((value, auxes) if has_aux else value), grads
+
+    return wrapper

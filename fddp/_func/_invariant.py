@@ -1,0 +1,517 @@
+"""The invariant mode: gradients per fixed-size chunk of the batch, summed exactly in int64."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import optree
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from fddp._base import _invariant_marks
+from fddp._base._errors import UsageTypeError, UsageValueError
+from fddp._base._tree import leaves_with_paths
+from fddp._collectives._ops import named_axis, psum
+
+_MASK32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B  # below 2**27: a 32-bit value times it stays inside int64
+_GOLDEN = 0x9E3779B9
+
+
+class Invariant(NamedTuple):
+    """How :func:`fddp.data_parallel` and :func:`fddp.vmap` compute world-size-invariant steps.
+
+    Inside a step built with ``invariant=...``, ``fddp.value_and_grad``/``fddp.grad`` split the
+    batch argument of the differentiated function into chunks of ``chunk_size`` examples,
+    compute each chunk's loss and gradient alone (same shapes on any number of ranks), with
+    dropout drawn from a key of the step's seed and the chunk's global index, and average them
+    over every chunk of the global batch exactly: each value is rounded once to a fixed-point
+    int64 on a scale all ranks agree on, the integers are summed (any order gives the same
+    sum), and the mean is converted back once. ``fddp.pmean`` of these results returns them as
+    they are. So any number of ranks, ``fddp.vmap`` replicas and any bucket cap give bitwise
+    the same parameters, with ``overlap_steps``, ``shard_params``, ``shard_state`` and ``axes``
+    too (a mean of the results over the step's axes, or ``shard_state``'s reduce-scatter, is
+    the identity). ``compile=True`` is refused (docs/guides/determinism.md).
+
+    Attributes:
+        chunk_size: examples per chunk; every rank's batch must be a multiple of it.
+        batch_argnum: which positional argument of the differentiated function is the batch
+            (every tensor leaf has the examples along dim 0); the others are taken whole.
+        fraction_bits: the fixed point's bits below each leaf's largest magnitude; at most
+            ``2 ** (62 - fraction_bits)`` chunks per global batch.
+
+    Example:
+        >>> import fddp
+        >>> fddp.Invariant(chunk_size=8)
+        Invariant(chunk_size=8, batch_argnum=-1, fraction_bits=46)
+    """
+
+    chunk_size: int
+    batch_argnum: int = -1
+    fraction_bits: int = 46
+
+
+def checked(invariant: Invariant | int | None) -> Invariant | None:
+    """``invariant=`` as given to a transform, validated (an int is a chunk size)."""
+    if invariant is None:
+        return None
+    if isinstance(invariant, int) and not isinstance(invariant, bool):
+        invariant = Invariant(chunk_size=invariant)
+    if not isinstance(invariant, Invariant):
+        raise UsageTypeError(
+            f"invariant={invariant!r}: pass a chunk size (int) or fddp.Invariant(chunk_size=...)."
+        )
+    size, bits = invariant.chunk_size, invariant.fraction_bits
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise UsageValueError(f"invariant: chunk_size={size!r} must be a positive int.")
+    if not isinstance(bits, int) or not 24 <= bits <= 60:
+        raise UsageValueError(
+            f"invariant: fraction_bits={bits!r} must be an int from 24 (fp32's precision) to 60."
+        )
+    if not isinstance(invariant.batch_argnum, int):
+        raise UsageTypeError(f"invariant: batch_argnum={invariant.batch_argnum!r} is not an int.")
+    return invariant
+
+
+def check_backend(backend: str) -> None:
+    """Refuse a ``data_parallel`` backend the mode cannot vouch for (every rank alike, at build)."""
+    if backend != "fx":
+        raise UsageValueError(
+            f"invariant= with compile=True ({backend!r}): Inductor fuses and generates kernels "
+            "for the graph as a whole, and the graph holds as many chunks as this rank's "
+            "batch, so its choices, and with them the bits of a chunk's gradient, may "
+            "change with the world size. Use compile=False (the FX backend runs every chunk "
+            "with the same kernels on any world size)."
+        )
+
+
+def within(
+    invariant: Invariant,
+    axis_name: str,
+    sub_axes: tuple[str, ...],
+    fn: Callable[..., Any],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """``fn(*args, **kwargs)`` with the mode active over ``axis_name`` (``sub_axes``: axes
+    over subgroups of its group, such as ``data_parallel``'s ``axes``)."""
+    run = functools.partial(_run, invariant)
+    with _invariant_marks.entered(_invariant_marks.Context(axis_name, run, sub_axes)):
+        return fn(*args, **kwargs)
+
+
+def wrapped(
+    invariant: Invariant,
+    axis_name: str,
+    fn: Callable[..., Any],
+    sub_axes: Sequence[str] = (),
+) -> Callable[..., Any]:
+    """``fn`` running with the mode active; keeps ``fn``'s name for errors and reports."""
+    step = functools.partial(within, invariant, axis_name, tuple(sub_axes), fn)
+    functools.update_wrapper(step, fn)
+    return step
+
+
+class _Job:
+    """One value_and_grad call in the mode: the function, its arguments as flat tensors, and
+    the chunking of its batch."""
+
+    def __init__(
+        self,
+        invariant: Invariant,
+        f: Callable[..., Any],
+        argnums: int | Sequence[int],
+        has_aux: bool,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        plain: Callable[..., Any],
+    ) -> None:
+        self.invariant, self.f, self.argnums, self.has_aux = invariant, f, argnums, has_aux
+        nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+        self.kwargs, self.plain = kwargs, plain
+        n = invariant.batch_argnum
+        if not -len(args) <= n < len(args):
+            raise UsageValueError(
+                f"invariant mode: batch_argnum={n}, but the differentiated function got "
+                f"{len(args)} positional arguments. Pass the batch as an argument "
+                "(e.g. loss_fn(params, buffers, batch)) and set fddp.Invariant(batch_argnum=...)."
+            )
+        self.batch_num = n % len(args)
+        if self.batch_num in {m % len(args) for m in nums}:
+            raise UsageValueError(
+                f"invariant mode: argument {self.batch_num}, the batch (batch_argnum={n}), is "
+                "also differentiated (argnums). The batch must be an argument that is not "
+                "differentiated: pass it last, or set fddp.Invariant(batch_argnum=...)."
+            )
+        paths, leaves, _ = leaves_with_paths(args[self.batch_num])
+        rows = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0}
+        if not leaves or any(isinstance(x, torch.Tensor) and x.dim() == 0 for x in leaves):
+            raise UsageValueError(
+                f"invariant mode: argument {self.batch_num} is the batch, but it has "
+                + ("no tensors" if not leaves else "0-d tensors")
+                + ". Every tensor leaf of the batch needs the examples along dim 0."
+            )
+        if len(rows) != 1:
+            found = {p: list(x.shape) for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)}
+            raise UsageValueError(
+                f"invariant mode: the batch's tensor leaves have different sizes along dim 0 "
+                f"({found}); every leaf must hold the same examples along dim 0."
+            )
+        (self.rows,) = rows
+        if self.rows % invariant.chunk_size:
+            raise UsageValueError(
+                f"invariant mode: this rank's batch has {self.rows} examples, not a multiple of "
+                f"chunk_size={invariant.chunk_size}. Give every rank a multiple of the chunk "
+                "size (the global batch then splits into the same chunks on any world size)."
+            )
+        self.chunks = self.rows // invariant.chunk_size
+        self.arg_leaves, self.arg_spec = optree.tree_flatten(args)
+        self.tensor_at = [i for i, x in enumerate(self.arg_leaves) if isinstance(x, torch.Tensor)]
+        self.device = next(x.device for x in leaves if isinstance(x, torch.Tensor))
+        self.aux_box: list[Any] = []
+        self.n_floats = 0
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.arg_leaves[i] for i in self.tensor_at]
+
+    def args_from(self, tensors: Sequence[torch.Tensor]) -> tuple[Any, ...]:
+        leaves = list(self.arg_leaves)
+        for i, x in zip(self.tensor_at, tensors):
+            leaves[i] = x
+        return optree.tree_unflatten(self.arg_spec, leaves)
+
+    def chunk_results(
+        self, tensors: Sequence[torch.Tensor], first_chunk: torch.Tensor, seed: torch.Tensor
+    ) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """Per chunk of this replica's batch: (floating values, integer values), flat; the
+        value first, then the aux's tensor leaves, then the gradients."""
+        args = self.args_from(tensors)
+        size = self.invariant.chunk_size
+        out = []
+        vg = self.plain(self.f, self.argnums, self.has_aux)
+        for i in range(self.chunks):
+            chunk_args = list(args)
+            chunk_args[self.batch_num] = optree.tree_map(
+                functools.partial(_rows, start=i * size, size=size),
+                args[self.batch_num],
+            )
+            key = _hash(seed + _hash(first_chunk + i))
+            with _invariant_marks.entered(None), _KeyedRandomness(key):
+                value, grads = vg(*chunk_args, **self.kwargs)
+            aux = None
+            if self.has_aux:
+                value, aux = value
+            leaves, spec = optree.tree_flatten((value, aux, grads))
+            self._check(value, leaves, spec)
+            floats = [x for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()]
+            ints = [x for x in leaves if isinstance(x, torch.Tensor) and not x.is_floating_point()]
+            out.append((floats, ints))
+        return out
+
+    def _check(self, value: Any, leaves: list[Any], spec: optree.PyTreeSpec) -> None:
+        if not (isinstance(value, torch.Tensor) and value.dim() == 0):
+            raise UsageValueError(
+                "invariant mode: the differentiated function must return a scalar tensor loss "
+                "that is the mean over the batch's examples."
+            )
+        plain = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+        kinds = [
+            ("f" if x.is_floating_point() else "i") if isinstance(x, torch.Tensor) else "-"
+            for x in leaves
+        ]
+        if not self.aux_box:
+            self.aux_box.append((spec, plain, kinds))
+        elif self.aux_box[0] != (spec, plain, kinds):
+            raise UsageValueError(
+                "invariant mode: the aux returned for two chunks differs in structure or in "
+                "its non-tensor values; aux must look the same for every chunk."
+            )
+        for x in leaves:
+            if isinstance(x, torch.Tensor) and x.is_complex():
+                raise UsageTypeError(
+                    "invariant mode: complex values cannot be reduced exactly; return real ones."
+                )
+
+    def result(self, floats: list[torch.Tensor], ints: list[torch.Tensor]) -> Any:
+        """``(value[, aux]), grads`` from the reduced floating and integer leaves."""
+        spec, plain, kinds = self.aux_box[0]
+        fi, ii = iter(floats), iter(ints)
+        leaves = [
+            next(fi) if k == "f" else next(ii) if k == "i" else x for k, x in zip(kinds, plain)
+        ]
+        value, aux, grads = optree.tree_unflatten(spec, leaves)
+        return ((value, aux) if self.has_aux else value), grads
+
+
+def _rows(x: Any, start: int, size: int) -> Any:
+    return x.narrow(0, start, size) if isinstance(x, torch.Tensor) else x
+
+
+def _hash(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash of each element of an int64 tensor (values kept in [0, 2**32))."""
+    x = x & _MASK32
+    x = ((x ^ (x >> 16)) * _MIX) & _MASK32
+    x = ((x ^ (x >> 16)) * _MIX) & _MASK32
+    return x ^ (x >> 16)
+
+
+_REFUSED = {
+    torch.rand,
+    torch.rand_like,
+    torch.randn,
+    torch.randn_like,
+    torch.randint,
+    torch.randint_like,
+    torch.randperm,
+    torch.bernoulli,
+    torch.normal,
+    torch.multinomial,
+    torch.Tensor.bernoulli_,
+    torch.Tensor.uniform_,
+    torch.Tensor.normal_,
+    torch.Tensor.random_,
+    torch.Tensor.exponential_,
+    F.rrelu,
+    F.alpha_dropout,
+    F.feature_alpha_dropout,
+    F.dropout1d,
+    F.dropout2d,
+    F.dropout3d,
+}
+
+
+class _KeyedRandomness(TorchFunctionMode):
+    """Dropout inside one chunk drawn from the chunk's key and the call's position: the same
+    mask for the same global chunk on any world size, traced or not. Other draws from the
+    global generator would not be keyed: refused."""
+
+    def __init__(self, key: torch.Tensor) -> None:
+        super().__init__()
+        self.key, self.calls = key, 0
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is F.dropout or func is torch.dropout:
+            return self._dropout(*args, **kwargs)
+        dropout_p = kwargs.get("dropout_p", 0.0)
+        if func is F.scaled_dot_product_attention and len(args) > 4:
+            dropout_p = args[4]
+        if func is F.multi_head_attention_forward:
+            training = kwargs.get("training", True)
+            training = args[13] if len(args) > 13 else training
+            dropout_p = kwargs.get("dropout_p", args[10] if len(args) > 10 else 0.0) * training
+        if func in _REFUSED or dropout_p:
+            name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
+            raise UsageValueError(
+                f"invariant mode: {name} draws from the global random generator, which is not "
+                "keyed by the chunk, so its draws would depend on the world size. Use dropout "
+                "(torch.nn.Dropout / F.dropout, keyed per chunk here), and attention without "
+                "dropout_p (apply F.dropout to the attention weights instead)."
+            )
+        return func(*args, **kwargs)
+
+    def _dropout(
+        self, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
+    ) -> torch.Tensor:
+        if not training or p == 0:
+            return input
+        if p == 1:
+            return input * 0
+        self.calls += 1
+        index = torch.arange(input.numel(), device=input.device).view(input.shape)
+        salt = _hash(torch.tensor(self.calls * _GOLDEN, device=input.device))
+        bits = _hash(self.key.to(input.device) ^ _hash(index + salt))
+        keep = bits.to(torch.float64) * 2.0**-32 >= p
+        out = input * keep.to(input.dtype) * (1.0 / (1.0 - p))
+        return input.copy_(out) if inplace else out
+
+
+def _exponents(chunks: list[list[torch.Tensor]], bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per floating leaf, over chunks: the power of two above every magnitude (at least
+    ``bits - 126``, so that the scale ``2**(bits - e)`` is a float32), and whether any value
+    is not finite."""
+    exps, bad = [], []
+    for leaf_chunks in zip(*chunks):
+        big = torch.stack([_amax(x) for x in leaf_chunks]).amax()
+        exps.append(torch.frexp(big).exponent.to(torch.int64).clamp(min=bits - 126))
+        bad.append((~torch.isfinite(big)).to(torch.int64))
+    return torch.stack(exps), torch.stack(bad)
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude in ``x`` as float32, in one pass (NaN if any is NaN)."""
+    if x.numel() == 0:
+        return torch.zeros((), device=x.device)
+    low, high = torch.aminmax(x.detach())
+    return torch.maximum(high, -low).float()
+
+
+def _fixed(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x * scale`` truncated to int64: the product, below ``2**bits`` in magnitude, is exact
+    in float32 (scale is a power of two), so only the fraction below the grid is dropped."""
+    x = x.detach()
+    if x.dtype not in (torch.float32, torch.float64):
+        x = x.float()  # float16 cannot hold the scaled values
+    return (x * scale.to(x.dtype)).to(torch.int64)
+
+
+def _quantized_sums(
+    chunks: list[list[torch.Tensor]], exps: torch.Tensor, bits: int
+) -> list[torch.Tensor]:
+    """Per floating leaf, the int64 sum over chunks of its fixed-point values."""
+    scales = torch.ldexp(torch.ones(len(exps), device=exps.device), (bits - exps).float())
+    out = []
+    for j, leaf_chunks in enumerate(zip(*chunks)):
+        total = _fixed(leaf_chunks[0], scales[j])
+        for x in leaf_chunks[1:]:
+            total = total + _fixed(x, scales[j])
+        out.append(total)
+    return out
+
+
+def _means(
+    sums: list[torch.Tensor],
+    like: list[torch.Tensor],
+    exps: torch.Tensor,
+    bad: torch.Tensor,
+    count: int,
+    bits: int,
+) -> list[torch.Tensor]:
+    """Per leaf, the int64 sum as the mean of ``count`` values (NaN where one was not
+    finite), in the leaf's dtype: converted to float32 (float64 leaves: float64) and scaled
+    by ``2**(e - bits) / count``."""
+    factors = torch.ldexp(
+        torch.full((len(exps),), 1.0 / count, dtype=torch.float64, device=exps.device),
+        (exps - bits).to(torch.float64),
+    )
+    factors = torch.where(bad > 0, torch.nan, factors)
+    out = []
+    for j, (total, x) in enumerate(zip(sums, like)):
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        out.append((total.to(dtype) * factors[j].to(dtype)).to(x.dtype))
+    return out
+
+
+def _int_maxes(chunks: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    return [torch.stack(leaf_chunks).amax(0) for leaf_chunks in zip(*chunks)]
+
+
+def _run(
+    invariant: Invariant,
+    f: Callable[..., Any],
+    argnums: int | Sequence[int],
+    has_aux: bool,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    plain: Callable[..., Any],
+) -> Any:
+    """One value_and_grad call in the mode: ``((value[, aux]), grads)`` averaged exactly over
+    every chunk of the global batch, the same on every replica."""
+    context = _invariant_marks.active()
+    assert context is not None
+    job = _Job(invariant, f, argnums, has_aux, args, kwargs, plain)
+    axis = named_axis(context.axis_name)
+    replica_index = getattr(axis, "replica_index", None)  # fddp.vmap's axis
+    if replica_index is not None:
+        outs = _OverReplicas.apply(job, replica_index, *job.tensors())
+        floats, ints = list(outs[: job.n_floats]), list(outs[job.n_floats :])
+    else:
+        floats, ints = _over_ranks(job, axis)
+    out = job.result(floats, ints)
+    context.mark(out)
+    return out
+
+
+def _count_checked(invariant: Invariant, total_chunks: int) -> None:
+    if total_chunks > 2 ** (62 - invariant.fraction_bits):
+        raise UsageValueError(
+            f"invariant mode: {total_chunks} chunks per global batch, more than the "
+            f"2**{62 - invariant.fraction_bits} that int64 sums of fraction_bits="
+            f"{invariant.fraction_bits} hold. Use larger chunks or fewer fraction_bits."
+        )
+
+
+def _seed(job: _Job) -> torch.Tensor:
+    """The step's dropout seed: one draw from the global generator, the same on every replica
+    as long as their generators are (as for any randomness in a replicated step)."""
+    return torch.randint(0, 2**31, (), dtype=torch.int64, device=job.device)
+
+
+def _over_ranks(job: _Job, axis: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    size = axis.size()
+    total = size * job.chunks
+    _count_checked(job.invariant, total)
+    index = axis.index() if size > 1 else torch.tensor(0)  # one rank: nothing per rank
+    first = index.to(job.device) * job.chunks
+    chunks = job.chunk_results(job.tensors(), first, _seed(job))
+    floats = [c[0] for c in chunks]
+    ints = [c[1] for c in chunks]
+    bits = job.invariant.fraction_bits
+    exps, bad = _exponents(floats, bits)
+    int_max = _int_maxes(ints)
+    shared = torch.cat([exps, bad, *(x.reshape(-1).to(torch.int64) for x in int_max)])
+    if size > 1:
+        shared = funcol.wait_tensor(funcol.all_reduce(shared, "max", axis.group_name))
+    n = len(exps)
+    exps, bad = shared[:n], shared[n : 2 * n]
+    int_out = _unpack_ints(shared[2 * n :], int_max)
+    sums = _quantized_sums(floats, exps, bits)
+    sums = psum(sums, axis.name) if size > 1 else sums
+    return _means(sums, floats[0], exps, bad, total, bits), int_out
+
+
+def _unpack_ints(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    out, at = [], 0
+    for x in like:
+        out.append(flat[at : at + x.numel()].view(x.shape).to(x.dtype))
+        at += x.numel()
+    return out
+
+
+class _OverReplicas(torch.autograd.Function):
+    """The job run once per ``fddp.vmap`` replica on its own slices, unbatched (the same
+    kernels a rank runs), the chunks of all replicas reduced together."""
+
+    @staticmethod
+    def forward(job: _Job, index: torch.Tensor, *tensors: torch.Tensor) -> Any:
+        raise AssertionError("_OverReplicas runs only through its vmap rule")
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def vmap(
+        info: Any, in_dims: tuple[Any, ...], job: _Job, index: torch.Tensor, *tensors: torch.Tensor
+    ) -> Any:
+        _, index_dim, *dims = in_dims
+        if index_dim is None:
+            raise UsageValueError(
+                "invariant mode under fddp.vmap supports one mapped level: the replica axis. "
+                "Another vmap batches the step's arguments here; run it outside the step."
+            )
+        replicas = info.batch_size
+        total = replicas * job.chunks
+        _count_checked(job.invariant, total)
+        seed = _seed(job)
+        per_replica = []
+        for r in range(replicas):
+            mine = [x if d is None else x.select(d, r) for x, d in zip(tensors, dims)]
+            first = torch.tensor(r * job.chunks, device=job.device)
+            per_replica.append(job.chunk_results(mine, first, seed))
+        floats = [c[0] for chunks in per_replica for c in chunks]
+        ints = [c[1] for chunks in per_replica for c in chunks]
+        bits = job.invariant.fraction_bits
+        exps, bad = _exponents(floats, bits)
+        sums = _quantized_sums(floats, exps, bits)
+        means = _means(sums, floats[0], exps, bad, total, bits)
+        int_out = _int_maxes(ints)
+        job.n_floats = len(means)
+        out = (*means, *int_out)
+        return out, (None,) * len(out)
