@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch._C._dynamo.guards import GlobalStateGuard
 
 from fddp._compiler._capture import _user_frames
@@ -278,6 +278,8 @@ class Read:
     name: str
     expected: Any
     owner_type: type | None = None  # the owner's class, for "class" reads
+    value: Any = _MISSING  # what was read (for messages, and as a quick check)
+    by_identity: bool = False  # the same object again is the same value (no contents)
 
     def current(self, owner: Any, paths: Mapping[int, str] | None, strict: bool) -> Any:
         """What reading this again from ``owner`` gives now, as a snapshot."""
@@ -383,8 +385,12 @@ class Recorder:
     # -- what the wrapped attribute lookup and the opcode trace report --
 
     def module_read(self, module: nn.Module, name: str, value: Any, member: bool) -> None:
-        if name in _MODULE_INTERNALS or self.refused is not None:
-            return
+        if (
+            name in _MODULE_INTERNALS
+            or self.refused is not None
+            or isinstance(module, fx.GraphModule)
+        ):
+            return  # a graph module is the capture's own
         self._busy = True
         try:
             self._module_read(module, name, value, member)
@@ -423,7 +429,9 @@ class Recorder:
         except NoEvidence as e:
             self.refused = f"{_describe_owner(owner)}.{name} {e}"
             return
-        self.reads[key] = Read(owner, kind, name, expected, owner_type)
+        self.reads[key] = Read(
+            owner, kind, name, expected, owner_type, value, _immutable_or_code(value)
+        )
         self.keep.append(owner)
 
     def _meet(self, value: Any) -> None:
@@ -792,6 +800,93 @@ def module_paths(block: nn.Module) -> dict[int, str]:
     for name, module in block.named_modules(remove_duplicate=False):
         found.setdefault(id(module), name)
     return found
+
+
+def _immutable_or_code(value: Any) -> bool:
+    """Whether the same object is always the same snapshot (nothing inside it can change)."""
+    if isinstance(value, tuple):
+        return type(value) in (tuple, torch.Size) and all(map(_immutable_or_code, value))
+    return isinstance(value, (*_SCALARS, types.FunctionType, *_BY_IDENTITY, torch.Tensor)) or (
+        value is _MISSING
+    )
+
+
+class Guards:
+    """What a capture read besides its tensors and torch's global state (autocast, grad mode,
+    default dtype ...), checked before its program is reused: :meth:`check` says what changed.
+
+    ``names``: a module's id -> its name in the models the step runs, for messages.
+    """
+
+    def __init__(
+        self, reads: list[Read], torch_state: GlobalStateGuard, names: Mapping[int, str]
+    ) -> None:
+        self.reads = reads
+        self._torch_state = torch_state
+        self._names = names
+
+    def check(self) -> str | None:
+        """None when every read gives what it gave at capture; else what changed, by name."""
+        if not self._torch_state.check():
+            return f"torch's {self._torch_state.reason().strip()} changed"
+        for read in self.reads:
+            if read.by_identity:
+                try:
+                    if _raw_read(read.owner, read.kind, read.name, read.owner_type) is read.value:
+                        continue
+                except _Gone:
+                    pass
+            now = read.current(read.owner, None, strict=False)
+            if now != read.expected:
+                return self._describe(read)
+        return None
+
+    def _describe(self, read: Read) -> str:
+        owner = read.owner
+        if read.kind == "global":
+            where = owner.get("__name__", "builtins") if owner is not sys.modules else "sys.modules"
+            what = f"{where}.{read.name}"
+        elif read.kind == "cell":
+            what = f"the closure variable {read.name}"
+        else:
+            what = f"{self._names.get(id(owner), type(owner).__qualname__)}.{read.name}"
+        try:
+            now = repr(_raw_read(owner, read.kind, read.name, read.owner_type))
+        except _Gone:
+            now = "(gone)"
+        before = "(gone)" if read.value is _MISSING else repr(read.value)
+        return f"{what} changed: {_short(before)} -> {_short(now)}"
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def module_names(models: tuple[nn.Module, ...]) -> dict[int, str]:
+    """Each module of ``models`` by id -> ``Root.path`` (the model's class name, then the
+    module's path in it)."""
+    names: dict[int, str] = {}
+    for model in models:
+        root = type(model).__name__
+        for name, module in model.named_modules():
+            names.setdefault(id(module), f"{root}.{name}" if name else root)
+    return names
+
+
+def state_reads(models: tuple[nn.Module, ...]) -> list[Read]:
+    """Every attribute of every module of ``models``, as reads (for a capture whose reads were
+    not recorded: Dynamo's)."""
+    reads = []
+    for model in models:
+        for module in model.modules():
+            for name, value in vars(module).items():
+                if name in _MODULE_INTERNALS:
+                    continue
+                expected = snapshot(value, strict=False)
+                reads.append(
+                    Read(module, "instance", name, expected, None, value, _immutable_or_code(value))
+                )
+    return reads
 
 
 def first_difference(

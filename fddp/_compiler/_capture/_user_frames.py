@@ -9,7 +9,7 @@ import traceback
 import optree
 import torch
 
-_FDDP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_FDDP_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")) + os.sep
 _LIBRARY_DIRS = (
     *(os.path.dirname(os.path.abspath(f)) + os.sep for f in (torch.__file__, optree.__file__)),
     os.path.dirname(os.path.abspath(contextlib.__file__)) + os.sep,  # the standard library
