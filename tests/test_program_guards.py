@@ -24,8 +24,10 @@ class Net(nn.Module):
         self.drop = nn.Dropout(0.0)
         self.head = nn.Linear(6, 3)
 
+        self.gain = torch.tensor(1.0)  # a plain tensor attribute: a constant of the program
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.drop(self.norm(torch.tanh(self.fc(x)))))
+        return self.head(self.drop(self.norm(torch.tanh(self.fc(x))))) * self.gain
 
 
 class Config:
@@ -66,6 +68,10 @@ def _both(step, *args):
         ("a dropout's p", lambda net, config: setattr(net.drop, "p", 1.0)),
         ("a LayerNorm's eps", lambda net, config: setattr(net.norm, "eps", 10.0)),
         ("a field of a config argument", lambda net, config: setattr(config, "scale", 3.0)),
+        (
+            "a tensor attribute set anew",
+            lambda net, config: setattr(net, "gain", torch.tensor(2.0)),
+        ),
     ],
 )
 def test_a_value_the_trace_read_changed_between_calls(what, change):

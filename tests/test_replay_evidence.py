@@ -23,6 +23,7 @@ from _models import next_token_loss, token_batch
 from torch import nn
 
 import fddp
+import fddp.optim as optim
 
 DIM, LAYERS, ROWS = 8, 4, 4
 
@@ -200,16 +201,18 @@ CASES = [
 ]
 
 
-def _sgd_step(net: nn.Module) -> Callable:
+def _sgd_step(net: nn.Module, opt, sharded: bool) -> Callable:
+    """An SGD step; ``sharded``: ``opt`` is ``shard_state``'s (for ``shard_params``), which
+    reduces the gradients itself, else ``pmean`` does."""
     apply = fddp.functional(net)
     _, buffers = fddp.state(net)
 
-    def step(params, ids):
+    def step(params, opt_state, ids):
         loss, grads = fddp.value_and_grad(lambda p: next_token_loss(apply(p, buffers, ids), ids))(
             params
         )
-        grads = fddp.pmean(grads)
-        return {k: v - 0.5 * grads[k] for k, v in params.items()}, fddp.pmean(loss)
+        updates, opt_state = opt.update(grads if sharded else fddp.pmean(grads), opt_state, params)
+        return optim.apply_updates(params, updates), opt_state, fddp.pmean(loss)
 
     return step
 
@@ -220,13 +223,15 @@ def train(case: str, *, trace: bool, remat: bool = False, sharded: bool = False,
     traced step run no Python)."""
     net = model(case)
     params, _ = fddp.state(net)
+    opt = optim.shard_state(optim.sgd(0.5)) if sharded else optim.sgd(0.5)
     options = {"remat": fddp.remat_policies.nothing_saveable} if remat else {}
-    pstep = fddp.data_parallel(_sgd_step(net), trace=trace, **options)
+    pstep = fddp.data_parallel(_sgd_step(net, opt, sharded), trace=trace, **options)
+    opt_state = fddp.data_parallel(opt.init, trace=False)(params)
     if sharded:
         params = fddp.shard_params(params)
     losses, state = [], []
     for i in range(steps):
-        params, loss = pstep(params, fddp.shard(token_batch(i, ROWS, length=6)))
+        params, opt_state, loss = pstep(params, opt_state, fddp.shard(token_batch(i, ROWS, 6)))
         losses.append(loss)
         state = state or [len(vars(b).get("calls", ())) for b in net.blocks]
     if sharded:
@@ -279,7 +284,11 @@ def _two_rank_check(case: str, **options) -> None:
 TWO_RANKS = {
     f"{case}{label}": functools.partial(_two_rank_check, case, **options)
     for case in ["list attribute", "dict attribute", "set attribute"]
-    for label, options in [("", {}), (" with remat", {"remat": True}), (" sharded", {"sharded": True})]
+    for label, options in [
+        ("", {}),
+        (" with remat", {"remat": True}),
+        (" sharded", {"sharded": True}),
+    ]
 } | {
     "aux loss appended to a list attribute sharded": functools.partial(
         _two_rank_check, "aux loss appended to a list attribute", sharded=True

@@ -8,11 +8,13 @@ import dataclasses
 import dis
 import enum
 import functools
+import inspect
 import os
 import random
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -143,6 +145,9 @@ class _Snapping:
     paths: Mapping[int, str] | None  # id of each module of the block -> its path in the block
     strict: bool  # unknown objects raise NoEvidence, else compare by identity
     met: Callable[[Any], None] | None = None  # told of each mutable object and function met
+    # the ids of a program's constant tensors: a tensor is one of them (by identity) or not
+    # (a parameter swapped in, an activation kept); None: every tensor by identity
+    constants: frozenset[int] | None = None
     seen: dict[int, int] = dataclasses.field(default_factory=dict)
     nodes: int = 0
 
@@ -153,6 +158,7 @@ def snapshot(
     *,
     strict: bool = True,
     met: Callable[[Any], None] | None = None,
+    constants: frozenset[int] | None = None,
 ) -> Any:
     """``value`` as nested tuples: scalars by type and bits, containers and plain objects by
     their contents, modules by identity (or, in ``paths``, by their place in the block and
@@ -162,7 +168,7 @@ def snapshot(
         NoEvidence: (``strict``) an object whose state cannot be read (a generator of C, a
             context variable), or more than :data:`MAX_NODES` values.
     """
-    return _snap(value, _Snapping(paths, strict, met))
+    return _snap(value, _Snapping(paths, strict, met, constants))
 
 
 def _snap(value: Any, s: _Snapping) -> Any:
@@ -177,7 +183,11 @@ def _snap(value: Any, s: _Snapping) -> Any:
     if isinstance(value, _SCALARS):
         return (kind, value) if kind is not complex else (kind, value.real.hex(), value.imag.hex())
     if isinstance(value, torch.Tensor):
+        if s.constants is not None and id(value) not in s.constants:
+            return (torch.Tensor,)
         return (torch.Tensor, _Same(value))
+    if isinstance(value, weakref.ref):  # a cache's reference (an LSTM's to its weights)
+        return (weakref.ref, _snap(_MISSING if value() is None else value(), s))
     if isinstance(value, nn.Module):
         path = None if s.paths is None else s.paths.get(id(value))
         return (nn.Module, kind, path) if path is not None else (nn.Module, _Same(value))
@@ -281,7 +291,13 @@ class Read:
     value: Any = _MISSING  # what was read (for messages, and as a quick check)
     by_identity: bool = False  # the same object again is the same value (no contents)
 
-    def current(self, owner: Any, paths: Mapping[int, str] | None, strict: bool) -> Any:
+    def current(
+        self,
+        owner: Any,
+        paths: Mapping[int, str] | None,
+        strict: bool,
+        constants: frozenset[int] | None = None,
+    ) -> Any:
         """What reading this again from ``owner`` gives now, as a snapshot."""
         try:
             value = _raw_read(owner, self.kind, self.name, self.owner_type)
@@ -289,7 +305,7 @@ class Read:
             return _GONE
         if self.kind == "member" and isinstance(value, torch.Tensor):
             return self.expected  # the call's own parameter or buffer: an input, not a value
-        return snapshot(value, paths, strict=strict)
+        return snapshot(value, paths, strict=strict, constants=constants)
 
 
 class _Gone(Exception):
@@ -691,18 +707,20 @@ def _restore(value: Any, saved: Any) -> bool:
 
 
 def _recorded_getattribute(self: nn.Module, name: str) -> Any:
-    value = object.__getattribute__(self, name)
     recorder = _LOCAL.recorder
-    if recorder is not None and not recorder._busy:
-        recorder.module_read(self, name, value, member=False)
-    return value
-
-
-def _recorded_getattr(self: nn.Module, name: str) -> Any:
-    value = _ORIGINAL_GETATTR(self, name)
-    recorder = _LOCAL.recorder
-    if recorder is not None and not recorder._busy:
+    if recorder is None or recorder._busy:
+        return object.__getattribute__(self, name)
+    try:
+        value = object.__getattribute__(self, name)
+    except AttributeError:
+        # a parameter, buffer or child: ``__getattr__`` (torch.fx wraps it while tracing)
+        getattr_ = type(self).__getattr__
+        value = getattr_(self, name)
+        if inspect.unwrap(getattr_) is not _ORIGINAL_GETATTR:
+            recorder.refused = f"{type(self).__qualname__} makes its attributes (__getattr__)"
         recorder.module_read(self, name, value, member=True)
+        return value
+    recorder.module_read(self, name, value, member=False)
     return value
 
 
@@ -712,7 +730,6 @@ def _module_reads_wrapped() -> Iterator[None]:
     with _PATCHES:
         if _installed == 0:
             nn.Module.__getattribute__ = _recorded_getattribute  # type: ignore[method-assign]
-            nn.Module.__getattr__ = _recorded_getattr  # type: ignore[method-assign]
         _installed += 1
     try:
         yield
@@ -721,7 +738,6 @@ def _module_reads_wrapped() -> Iterator[None]:
             _installed -= 1
             if _installed == 0:
                 del nn.Module.__getattribute__
-                nn.Module.__getattr__ = _ORIGINAL_GETATTR  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -806,6 +822,8 @@ def _immutable_or_code(value: Any) -> bool:
     """Whether the same object is always the same snapshot (nothing inside it can change)."""
     if isinstance(value, tuple):
         return type(value) in (tuple, torch.Size) and all(map(_immutable_or_code, value))
+    if isinstance(value, (type, types.ModuleType)):
+        return _is_library(value)  # a user's class or module: its attributes too
     return isinstance(value, (*_SCALARS, types.FunctionType, *_BY_IDENTITY, torch.Tensor)) or (
         value is _MISSING
     )
@@ -815,30 +833,50 @@ class Guards:
     """What a capture read besides its tensors and torch's global state (autocast, grad mode,
     default dtype ...), checked before its program is reused: :meth:`check` says what changed.
 
-    ``names``: a module's id -> its name in the models the step runs, for messages.
+    Each read is taken as it reads now, when the capture is done: a value the traced code
+    itself changed (a list it appends to) counts as the code left it (the trace ran that
+    Python once, as every trace does). A tensor counts by identity where it is one of the
+    program's ``constants`` (held by reference), else only as a tensor (a parameter the
+    capture swapped in, which a cache of the module's may still hold). ``names``: a module's
+    id -> its name in the models the step runs, for messages.
     """
 
     def __init__(
-        self, reads: list[Read], torch_state: GlobalStateGuard, names: Mapping[int, str]
+        self,
+        reads: list[Read],
+        torch_state: GlobalStateGuard,
+        names: Mapping[int, str],
+        constants: frozenset[int],
     ) -> None:
-        self.reads = reads
+        self._constants = constants
+        self.reads = [self._settled(read) for read in reads]
         self._torch_state = torch_state
         self._names = names
+        self._quick: Callable[[int], int] | None = None
+
+    def _settled(self, read: Read) -> Read:
+        try:
+            value = _raw_read(read.owner, read.kind, read.name, read.owner_type)
+        except _Gone:
+            value = _MISSING
+        expected = read.current(read.owner, None, strict=False, constants=self._constants)
+        return dataclasses.replace(
+            read, expected=expected, value=value, by_identity=_immutable_or_code(value)
+        )
 
     def check(self) -> str | None:
         """None when every read gives what it gave at capture; else what changed, by name."""
         if not self._torch_state.check():
             return f"torch's {self._torch_state.reason().strip()} changed"
-        for read in self.reads:
-            if read.by_identity:
-                try:
-                    if _raw_read(read.owner, read.kind, read.name, read.owner_type) is read.value:
-                        continue
-                except _Gone:
-                    pass
-            now = read.current(read.owner, None, strict=False)
+        if self._quick is None:
+            self._quick = _quick_check(self.reads)
+        start = 0
+        while (i := self._quick(start)) >= 0:
+            read = self.reads[i]
+            now = read.current(read.owner, None, strict=False, constants=self._constants)
             if now != read.expected:
                 return self._describe(read)
+            start = i + 1  # the same value in another object (an equal float set again)
         return None
 
     def _describe(self, read: Read) -> str:
@@ -862,6 +900,67 @@ def _short(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _quick_check(reads: list[Read]) -> Callable[[int], int]:
+    """A function of ``start`` that returns the index of the first read from ``start`` on that
+    may read differently now (-1 for none): each read as one expression, generated once, that
+    holds when the same object is read again (an empty container: one of the same type, still
+    empty); the caller compares the others' snapshots."""
+    namespace: dict[str, Any] = {"M": _MISSING, "class_attribute": class_attribute}
+    names: dict[int, str] = {}
+
+    def bind(obj: Any, prefix: str) -> str:
+        name = names.get(id(obj))
+        if name is None:
+            name = names[id(obj)] = f"{prefix}{len(names)}"
+            namespace[name] = obj
+        return name
+
+    lines, typed = [], set()
+    for i, read in enumerate(reads):
+        owner, name = read.owner, read.name
+        value = bind(read.value, "v")
+        if read.kind == "member" and read.expected == (torch.Tensor, None):
+            continue  # the call's own parameter or buffer
+        if read.kind in ("instance", "member"):
+            d = object.__getattribute__(owner, "__dict__")
+            where = bind(d if read.kind == "instance" else d["_modules"], "d")
+            got = f"{where}.get({name!r}, M)"
+        elif read.kind == "class":
+            d = getattr(owner, "__dict__", None)
+            checks = [f"type({bind(owner, 'o')}) is {bind(read.owner_type, 't')}"]
+            if isinstance(d, dict) and not _is_data_descriptor(read.value):
+                checks.append(f"{name!r} not in {bind(d, 'd')}")
+            if (read.owner_type, name) not in typed:
+                typed.add((read.owner_type, name))
+                checks.append(f"class_attribute({bind(read.owner_type, 't')}, {name!r}) is {value}")
+            lines.append(f"    if start <= {i} and not ({' and '.join(checks)}): return {i}")
+            continue
+        elif read.kind == "global":
+            got = f"{bind(owner, 'g')}.get({name!r}, M)"
+        else:  # a cell: compared by snapshot (it may be empty)
+            lines.append(f"    if start <= {i}: return {i}")
+            continue
+        if read.by_identity:
+            test = f"{got} is {value}"
+        elif _empty_container(read.value):
+            test = f"(x := {got}).__class__ is {bind(type(read.value), 't')} and not x"
+        else:
+            test = "False"
+        lines.append(f"    if start <= {i} and not ({test}): return {i}")
+    source = "def quick(start):\n" + "\n".join([*lines, "    return -1"]) + "\n"
+    exec(compile(source, "<fddp guards>", "exec"), namespace)
+    return namespace["quick"]
+
+
+def _empty_container(value: Any) -> bool:
+    return (
+        isinstance(value, (list, dict, set))
+        and not value
+        and not getattr(value, "__dict__", None)
+        and getattr(value, "default_factory", None) is None
+    )
+
+
 def module_names(models: tuple[nn.Module, ...]) -> dict[int, str]:
     """Each module of ``models`` by id -> ``Root.path`` (the model's class name, then the
     module's path in it)."""
@@ -876,17 +975,13 @@ def module_names(models: tuple[nn.Module, ...]) -> dict[int, str]:
 def state_reads(models: tuple[nn.Module, ...]) -> list[Read]:
     """Every attribute of every module of ``models``, as reads (for a capture whose reads were
     not recorded: Dynamo's)."""
-    reads = []
-    for model in models:
-        for module in model.modules():
-            for name, value in vars(module).items():
-                if name in _MODULE_INTERNALS:
-                    continue
-                expected = snapshot(value, strict=False)
-                reads.append(
-                    Read(module, "instance", name, expected, None, value, _immutable_or_code(value))
-                )
-    return reads
+    return [
+        Read(module, "instance", name, None)
+        for model in models
+        for module in model.modules()
+        for name in vars(module)
+        if name not in _MODULE_INTERNALS
+    ]
 
 
 def first_difference(

@@ -134,6 +134,7 @@ def _shapes(tensors: dict[str, torch.Tensor | None]) -> tuple:
 
 
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 def _plain_value(value: Any) -> bool:
@@ -192,6 +193,8 @@ def _replay_for(
 ) -> tuple[_Template, list[torch.Tensor]] | None:
     """The template this call of ``block`` replays and its tensors, or None: the block is
     traced as it is."""
+    if any(getattr(block, hooks) for hooks in _HOOKS):
+        return None  # they run around this call: a template traced with them would run twice
     leaves, spec = optree.tree_flatten((args, kwargs))
     tensor_args = [x for x in leaves if isinstance(x, torch.Tensor)]
     others = [x for x in leaves if not isinstance(x, torch.Tensor)]

@@ -483,10 +483,10 @@ def _value_read_error(node: fx.Node, *, returned: bool) -> CaptureError:
 def _sizes_from_data(graph: fx.Graph) -> bool:
     """Whether a value in ``graph`` has a size read from a tensor's data."""
     return any(
-        free_unbacked_symbols(leaf)
+        free_unbacked_symbols(leaf.shape)
         for node in graph.nodes
         for leaf in optree.tree_leaves(node.meta.get("val"))
-        if isinstance(leaf, (torch.Tensor, torch.SymInt))
+        if isinstance(leaf, torch.Tensor)
     )
 
 
@@ -744,8 +744,21 @@ def capture(
     ran = tuple(models)
     # a Dynamo capture records no reads: every attribute of the models it ran stands in
     reads = captured.reads if captured.reads is not None else _evidence.state_reads(ran)
-    guards = _evidence.Guards(reads, torch_state, _evidence.module_names(ran))
+    guards = _evidence.Guards(reads, torch_state, _evidence.module_names(ran), _constants(captured))
     return dataclasses.replace(captured, models=ran, guards=guards, reads=None), dynamo
+
+
+def _constants(captured: Captured) -> frozenset[int]:
+    """The ids of the tensors a capture holds by reference: its constant inputs and the graph's
+    attributes."""
+    found = [t for t in captured.inputs if isinstance(t, torch.Tensor)]
+    if captured.graph is not None:
+        found += [
+            getattr(captured.graph, n.target)
+            for n in captured.graph.graph.nodes
+            if n.op == "get_attr" and isinstance(n.target, str)
+        ]
+    return frozenset(id(t) for t in found if isinstance(t, torch.Tensor))
 
 
 def _capture_graph(
