@@ -602,6 +602,7 @@ def recoverable(
     >>> w
     tensor([0.6000, 0.6000])
     >>> rstep.close()
+    >>> fddp.init()  # a world of one again, for what runs next in this process
     """
     if dist.is_initialized():
         raise ValueError(
