@@ -13,6 +13,8 @@ PACKAGE = ROOT / "fddp"
 PAGE = ROOT / "docs" / "architecture.md"
 TABLE_HEADING = "## Layers"
 COMPILER_HEADING = "## Rooms of the compiler"
+DEVELOPER_HEADING = "## Developer entry points"
+BENCHMARKS = ROOT / "benchmarks"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +28,8 @@ class Layer:
 class Import:
     target: str  # a module of fddp, dotted: "fddp._base._tree"
     line: int
+    name: str | None = None  # the name imported from ``target``; None: the module itself
+    bound: str = ""  # the name the import binds in the importing module
 
 
 def _cells(row: str) -> list[str]:
@@ -92,7 +96,11 @@ def fddp_imports(path: Path) -> list[Import]:
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found += [Import(a.name, node.lineno) for a in node.names if _ours(a.name)]
+            found += [
+                Import(a.name, node.lineno, None, a.asname or a.name.partition(".")[0])
+                for a in node.names
+                if _ours(a.name)
+            ]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
@@ -103,8 +111,11 @@ def fddp_imports(path: Path) -> list[Import]:
                 continue
             for alias in node.names:  # ``from fddp import _tree`` imports the module
                 submodule = f"{source}.{alias.name}"
-                target = submodule if submodule in modules() else source
-                found.append(Import(target, node.lineno))
+                bound = alias.asname or alias.name
+                if submodule in modules():
+                    found.append(Import(submodule, node.lineno, None, bound))
+                else:
+                    found.append(Import(source, node.lineno, alias.name, bound))
     return [i for i in found if i.target != module]
 
 
@@ -243,3 +254,50 @@ def test_the_top_level_names_concepts():
         if (p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists()))
     }
     assert present <= named, f"top-level entries missing from the layer table: {present - named}"
+
+
+def developer_entry_points() -> dict[str, frozenset[str]]:
+    """The table under ``## Developer entry points``: private module -> the names benchmarks
+    may use of it."""
+    header, *body = _table(DEVELOPER_HEADING)
+    assert header[:2] == ["Module", "Names"], header
+    return {
+        re.findall(r"`([^`]+)`", module)[0]: frozenset(re.findall(r"`([^`]+)`", names))
+        for module, names, *_ in body
+    }
+
+
+def _private(module: str) -> bool:
+    return any(part.startswith("_") for part in module.split(".")[1:])
+
+
+def _attributes_of(tree: ast.AST, name: str) -> set[str]:
+    """The attributes a module uses of the name ``name`` it bound: ``_bucket.assign`` -> assign."""
+    return {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == name
+    }
+
+
+def test_benchmarks_use_only_public_names_and_developer_entry_points():
+    entry_points = developer_entry_points()
+    problems = []
+    for path in sorted(BENCHMARKS.glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for imp in fddp_imports(path):
+            if not _private(imp.target):
+                continue
+            used = {imp.name} if imp.name else _attributes_of(tree, imp.bound)
+            unlisted = sorted(used - entry_points.get(imp.target, frozenset()))
+            if unlisted or not used:
+                what = ", ".join(unlisted) or "the module itself"
+                problems.append(
+                    f"{path.relative_to(ROOT)}:{imp.line} uses {what} of {imp.target}, which is "
+                    "not a developer entry point: use the public API, or add the name to the "
+                    "table under 'Developer entry points' in docs/architecture.md with what it "
+                    "is for"
+                )
+    assert not problems, "\n".join(problems)
