@@ -21,7 +21,8 @@ from fddp._base._tree import leaves_with_paths, path_str
 from fddp._base._types import GradientTransformation
 from fddp._collectives._ops import axis_index, axis_size, pmean
 from fddp._compiler._plan import Plan
-from fddp._optim._transforms import apply_updates, sgd
+from fddp._optim._alias import sgd
+from fddp._optim._update import apply_updates
 from fddp._ranks import _digests, _runtime
 from fddp._ranks._agree import Line, digest, find_difference
 from fddp._step._data_parallel import DataParallelStep, _data_parallel

@@ -23,7 +23,7 @@ from fddp._collectives._ops import pmean, psum
 from fddp._func import _invariant
 from fddp._func._grad import value_and_grad
 from fddp._lowcomm._low_comm import LowCommState, describe
-from fddp._optim._transforms import apply_updates
+from fddp._optim._update import apply_updates
 from fddp._ranks import _runtime
 from fddp._sharding import ShardedState
 from fddp._step._data_parallel import DataParallelStep, _backend, _data_parallel
