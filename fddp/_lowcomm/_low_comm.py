@@ -17,6 +17,7 @@ import torch.distributed as dist
 from fddp._base import _axes
 from fddp._base._axes import DEFAULT_AXIS
 from fddp._base._errors import ReplicaMismatchError, RetraceWarning, UsageValueError
+from fddp._base._names import qualified_name
 from fddp._base._tree import leaves_with_paths, path_str
 from fddp._base._types import GradientTransformation
 from fddp._collectives._ops import axis_index, axis_size, pmean
@@ -198,12 +199,8 @@ def rule_lines(rule: _Rule, step_fn: Callable[..., Any]) -> list[Line]:
     """How a low-communication step was built, as labelled lines the ranks compare on every
     call: its options by value (floats by their exact bits) and the outer optimizer as the
     values its functions close over (:func:`describe`)."""
-    inner = getattr(step_fn, "func", step_fn)  # a functools.partial: the function it binds
     lines: list[Line] = [
-        (
-            "the inner step",
-            f"{getattr(inner, '__module__', '')}.{getattr(inner, '__qualname__', '')}",
-        ),
+        ("the inner step", qualified_name(step_fn)),
         ("option every", repr(rule.cadence.every)),
         ("option fragments", repr(rule.fragments)),
         ("option delay", repr(rule.cadence.delay)),
@@ -255,7 +252,7 @@ def _describe(obj: Any, label: str, lines: list[Line], seen: set[int]) -> None:
         _describe(obj.update, label, lines, seen)
         _describe(obj.init, f"{label}.init", lines, seen)
     elif isinstance(obj, types.FunctionType):
-        lines.append((label, f"{obj.__module__}.{obj.__qualname__}"))
+        lines.append((label, qualified_name(obj)))
         cells = zip(obj.__code__.co_freevars, obj.__closure__ or ())
         for name, cell in cells:
             with contextlib.suppress(ValueError):  # a cell not yet filled
@@ -279,15 +276,11 @@ def _describe(obj: Any, label: str, lines: list[Line], seen: set[int]) -> None:
         for key in sorted(obj, key=repr):
             _describe(obj[key], f"{label}[{key!r}]", lines, seen)
     elif isinstance(obj, (types.ModuleType, type)) or not hasattr(obj, "__dict__"):
-        lines.append((label, f"{type(obj).__module__}.{type(obj).__qualname__} {_qualname(obj)}"))
+        lines.append((label, f"{qualified_name(type(obj))} {qualified_name(obj, module=False)}"))
     else:
-        lines.append((label, f"{type(obj).__module__}.{type(obj).__qualname__}"))
+        lines.append((label, qualified_name(type(obj))))
         for name, value in sorted(vars(obj).items()):
             _describe(value, f"{label}.{name}", lines, seen)
-
-
-def _qualname(obj: Any) -> str:
-    return getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or ""
 
 
 def _local_step(

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from fddp._base._axes import DEFAULT_AXIS
 from fddp._base._errors import RankFailureError
+from fddp._base._names import qualified_name
 from fddp._base._types import GradientTransformation
 from fddp._collectives._ops import pmean, psum
 from fddp._func import _invariant
@@ -95,7 +96,7 @@ class RecoverableStep:
             bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb, compile=compile
         )
         self._described = [
-            ("recoverable loss_fn", _qualified_name(loss_fn)),
+            ("recoverable loss_fn", qualified_name(loss_fn)),
             ("recoverable micro_batches", repr(micro_batches)),
             ("recoverable donate", repr(donate)),
             ("recoverable invariant", repr(invariant)),
@@ -400,11 +401,6 @@ def _heartbeat(store: dist.Store, key: str, interval: float, stop: threading.Eve
             store.add(key, 1)
         except RuntimeError:  # the store is gone: the survivors cannot agree without it anyway
             return
-
-
-def _qualified_name(fn: Callable[..., Any]) -> str:
-    fn = getattr(fn, "func", fn)
-    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 def _refuse_unrecoverable(opt_state: Any) -> None:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from fddp import _sharding
 from fddp._base import _axes, _model_calls
+from fddp._base._names import qualified_name
 from fddp._collectives._bucket_policy import CapPolicy
 from fddp._collectives._ops import ProcessAxis, process_axis
 from fddp._compiler import _pipeline
@@ -63,7 +64,7 @@ class DataParallelStep:
     ) -> None:
         functools.update_wrapper(self, step_fn)
         if not hasattr(self, "__name__"):  # a functools.partial or another callable object
-            self.__name__ = _qualified_name(step_fn).rpartition(".")[2]
+            self.__name__ = qualified_name(step_fn).rpartition(".")[2]
         self._step_fn = step_fn
         self._described = described
         self._unsaved: dict[Signature, _persistent.Key] = {}  # to write after a first run
@@ -544,11 +545,6 @@ def _checked_axes(
     return dict(axes)
 
 
-def _qualified_name(fn: Callable[..., Any]) -> str:
-    fn = getattr(fn, "func", fn)  # a functools.partial: the function it binds
-    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
-
-
 def _backend(compile: bool | str) -> str:
     """``compile=`` decoded: ``"fx"`` (False, or ``"fx"``) or ``"inductor"`` (True)."""
     backend = "inductor" if compile is True else "fx" if compile is False else compile
@@ -600,10 +596,7 @@ def _data_parallel(
     more_axes = _checked_axes(axes or {}, axis_name, group)
     checked = (0,) if check_replicas is True else tuple(check_replicas or ())
     described: list[Line] = [
-        (
-            "the step",
-            f"{getattr(step_fn, '__module__', '')}.{getattr(step_fn, '__qualname__', '')}",
-        ),
+        ("the step", qualified_name(step_fn)),
         *built_with,
         ("option axis_name", repr(axis_name)),
         ("option bucket_cap_mb", repr(bucket_cap_mb)),

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fddp._base import _files
+from fddp._base._names import qualified_name
 from fddp._compiler import _pipeline
 from fddp._compiler._cache import _store
 from fddp._compiler._cache._fingerprint import (
@@ -177,7 +178,8 @@ def key_for(
     try:
         found = fingerprint(*roots)
     except Unfingerprintable as e:
-        _warn_once(f"fddp: not keeping {_name(step_fn)}'s program in the program cache: {e}.")
+        name = qualified_name(step_fn, module=False)
+        _warn_once(f"fddp: not keeping {name}'s program in the program cache: {e}.")
         return None
     world = _runtime.world_size(group)
     parts = [
@@ -197,10 +199,6 @@ def key_for(
     ]
     digest = hashlib.sha256(repr(parts).encode()).hexdigest()
     return Key(digest, found, roots, path, secret)
-
-
-def _name(step_fn: Any) -> str:
-    return getattr(step_fn, "__qualname__", None) or type(step_fn).__qualname__
 
 
 def _group_text(group: dist.ProcessGroup | None) -> str:
