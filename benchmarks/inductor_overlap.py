@@ -68,6 +68,7 @@ from fddp._base import _axes
 from fddp._compiler import _backend, _pipeline
 from fddp._compiler._capture._trace import Captured, capture
 from fddp._compiler._graph import is_compute
+from fddp._compiler._options import CompileOptions
 from fddp._compiler._passes import _bucket, _cost
 from fddp._ranks import _machine
 from fddp._step._data_parallel import _donated_leaves
@@ -267,9 +268,9 @@ def schedule(
     if variant == "captured":
         return gm
     if variant in ("fddp", "fddp-functional"):
-        options = pstep._options  # what data_parallel(step, donate_argnums=(0, 1)) runs
+        options = pstep._compiler_options  # what data_parallel(step, donate_argnums=(0, 1)) runs
         if variant == "fddp-functional":  # the passes fddp runs before handing it to Inductor
-            options = _pipeline.Options(options.cap, options.comm_dtype, "inductor")
+            options = CompileOptions(options.cap, options.comm_dtype, "inductor")
         real_assign = _bucket.assign
 
         def assign(members: list, cap: int, first: int) -> list:

@@ -7,8 +7,9 @@ from typing import Any
 
 
 def qualified_name(obj: Any, *, module: bool = True) -> str:
-    """``obj``'s ``module.qualname``: the function a ``functools.partial`` binds, an object
-    without a name by its class (``module=False``: the qualname alone).
+    """``obj``'s ``module.qualname``: the function a ``functools.partial`` binds (unless
+    ``functools.update_wrapper`` named the partial), an object without a name by its class
+    (``module=False``: the qualname alone).
 
     >>> import functools, math
     >>> qualified_name(functools.partial(math.gcd, 4))
@@ -16,7 +17,7 @@ def qualified_name(obj: Any, *, module: bool = True) -> str:
     >>> qualified_name(qualified_name, module=False)
     'qualified_name'
     """
-    while isinstance(obj, functools.partial):
+    while isinstance(obj, functools.partial) and not hasattr(obj, "__qualname__"):
         obj = obj.func
     name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
     name = name or type(obj).__qualname__

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 
 from fddp._base._errors import ScheduleMismatchError
-from fddp._collectives._bucket_policy import CapPolicy, Choice
 from fddp._compiler import _backend, _plan
 from fddp._compiler._capture._trace import Captured, capture
 from fddp._compiler._graph import comparable_lines
+from fddp._compiler._options import CompileOptions
 from fddp._compiler._passes import (
     _across_steps,
     _bucket,
@@ -26,30 +26,13 @@ from fddp._compiler._passes import (
     _replication,
 )
 from fddp._compiler._program import Compiled, Program, collector_paused
-from fddp._func._remat import Policy
 from fddp._ranks._agree import find_difference, raise_everywhere
 from fddp._ranks._machine import Machine
-
-BACKENDS = ("fx", "inductor")  # run the scheduled FX graph, or compile it with Inductor
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    cap: CapPolicy
-    comm_dtype: torch.dtype | None
-    backend: str  # one of BACKENDS
-    overlap_steps: bool = False
-    remat: Policy | None = None  # the step's rematerialisation policy (fddp.remat_policies)
-
-    @property
-    def in_place(self) -> bool:
-        """The FX backend runs buckets and updates in place; Inductor needs functional ops."""
-        return self.backend == "fx"
 
 
 def schedule_graph(
     captured: Captured,
-    options: Options,
+    options: CompileOptions,
     donated: set[int],
     machine: Machine | None = None,
     agreed_cap: int | None = None,
@@ -70,7 +53,7 @@ def schedule_graph(
     _overlap.hoist_gradient_sums(graph)
     members = _bucket.find_members(graph)
     profile = _cost.profile(graph, members)
-    cap = choose_cap(profile, options.cap, machine, agreed_cap)
+    cap = _cost.choose_cap(profile, options.cap, machine, agreed_cap)
     buckets = _bucket.assign(members, cap.cap, options.cap.first)
     in_place = options.in_place
     bucket_nodes = _bucket.rewrite(graph, buckets, options.comm_dtype, functional=not in_place)
@@ -113,29 +96,11 @@ def schedule_graph(
     )
 
 
-def choose_cap(
-    profile: _cost.Profile, policy: CapPolicy, machine: Machine | None, agreed: int | None = None
-) -> Choice:
-    """The bucket cap for a graph of ``profile`` (the cost model needs a ``machine``), or the
-    ``agreed`` one: the cap of the programs the persistent cache holds, which the ranks take
-    from rank 0 (``fddp._compiler._cache._persistent.proposal``)."""
-    machine = machine if profile.reductions else None
-    predict = profile.predictor(policy.first, machine) if machine else None
-    choice = policy.choose(_bucket.total_bytes(profile.reductions), machine, predict)
-    if agreed is None or agreed == choice.cap:
-        return choice
-    return Choice(
-        agreed,
-        "kept from the programs this step cached (fddp.set_cache_dir), which the cost model "
-        "chose when they were compiled",
-    )
-
-
 def compile_step(
     step_fn: Callable[..., Any],
     args: tuple,
     tensors: list[torch.Tensor],
-    options: Options,
+    options: CompileOptions,
     donated: set[int],
     machine: Machine | None,
     group: dist.ProcessGroup | None,

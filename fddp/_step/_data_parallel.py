@@ -16,7 +16,6 @@ import torch.distributed as dist
 from fddp import _sharding
 from fddp._base import _axes, _model_calls
 from fddp._base._names import qualified_name
-from fddp._collectives._bucket_policy import CapPolicy
 from fddp._collectives._ops import ProcessAxis, process_axis
 from fddp._compiler import _pipeline
 from fddp._compiler._cache import _persistent
@@ -26,11 +25,11 @@ from fddp._compiler._program import Compiled
 from fddp._func import _invariant
 from fddp._func._invariant import Invariant
 from fddp._func._remat import Policy, checked_policy
-from fddp._ranks import _machine, _mesh, _pending, _runtime, _timeline
-from fddp._ranks._agree import Line
+from fddp._ranks import _machine, _pending, _runtime, _timeline
 from fddp._ranks._signature import Modes, Signature, signature_of
 from fddp._step import _step_lock
 from fddp._step._call_check import CallCheck
+from fddp._step._options import StepOptions, argnums, backend, replicated
 from fddp._step._replica_guard import (
     ReplicaGuard,
     describe_source,
@@ -48,41 +47,30 @@ class DataParallelStep:
 
     __name__: str  # the step's, copied by functools.update_wrapper
 
-    def __init__(
-        self,
-        step_fn: Callable[..., Any],
-        *,
-        axis_name: str,
-        options: _pipeline.Options,
-        described: list[Line],
-        donate_argnums: tuple[int, ...],
-        group: dist.ProcessGroup | None,
-        axes: dict[str, dist.ProcessGroup],
-        trace: bool,
-        check_replicas: tuple[int, ...],
-        cache_size: int,
-    ) -> None:
+    def __init__(self, step_fn: Callable[..., Any], options: StepOptions) -> None:
+        """``step_fn`` as a data-parallel step built with ``options``."""
         functools.update_wrapper(self, step_fn)
         if not hasattr(self, "__name__"):  # a functools.partial or another callable object
-            self.__name__ = qualified_name(step_fn).rpartition(".")[2]
+            self.__name__ = qualified_name(step_fn, module=False).rpartition(".")[2]
+        self._described = [("the step", qualified_name(step_fn)), *options.lines()]
+        if options.invariant is not None:
+            step_fn = _invariant.wrapped(
+                options.invariant, options.axis_name, step_fn, sub_axes=tuple(options.axes)
+            )
         self._step_fn = step_fn
-        self._described = described
         self._unsaved: dict[Signature, _persistent.Key] = {}  # to write after a first run
         self._capture_method = "make_fx"  # "dynamo" once make_fx failed: it is not tried again
         self._modes: Modes | None = None  # the models captures ran: their modes key programs
-        self._axis_name = axis_name
         self._options = options
-        self._donate_argnums = donate_argnums
-        self._group = group
-        self._more_axes = axes
-        self._trace = trace
+        self._compiler_options = options.for_compiler
+        self._group = options.group
         self._profiling = False
-        name = self.__name__
+        name, group, replicated = self.__name__, options.group, options.check_replicas
         self._calls = CallCheck(
-            name, group, described, own_group=options.overlap_steps, replicated=check_replicas
+            name, group, self._described, own_group=options.overlap_steps, replicated=replicated
         )
-        self._programs: ProgramCache[Compiled] = ProgramCache(name, cache_size)
-        self._replicas = ReplicaGuard(name, group, check_replicas)
+        self._programs: ProgramCache[Compiled] = ProgramCache(name, options.cache_size)
+        self._replicas = ReplicaGuard(name, group, replicated)
         # Inside a user's torch.compile the step runs as one opaque call. Wrapped here, not at
         # class definition, so that importing fddp does not import Dynamo.
         self._opaque_call = torch.compiler.disable(self._guarded_call)
@@ -93,11 +81,11 @@ class DataParallelStep:
         return self._programs.retraces
 
     def _axis(self, traced: bool = False) -> ProcessAxis:
-        return process_axis(self._axis_name, self._group, traced=traced)
+        return process_axis(self._options.axis_name, self._group, traced=traced)
 
     def _axes(self, traced: bool = False) -> list[ProcessAxis]:
         """The step's axis, then the ``axes`` it was given (each over a subgroup)."""
-        more = [process_axis(n, g, traced=traced) for n, g in self._more_axes.items()]
+        more = [process_axis(n, g, traced=traced) for n, g in self._options.axes.items()]
         return [self._axis(traced), *more]
 
     @contextlib.contextmanager
@@ -135,7 +123,7 @@ class DataParallelStep:
         check = self._calls.launch(
             signature, args, "called the step", lambda: self._replicas.compare_digests(args)
         )
-        if not self._trace:
+        if not self._options.trace:
             return self._run_eagerly(args, check.settle)
         compiled = self._programs.get(signature)
         if compiled is None or compiled.first_call:
@@ -215,7 +203,7 @@ class DataParallelStep:
 
     def _compiled_for(self, args: tuple, request: str) -> Compiled:
         """The compiled program for ``args``, compiled now if needed (nothing runs)."""
-        if not self._trace:
+        if not self._options.trace:
             raise ValueError(
                 f"{request.removeprefix('called ')} needs a traced step; this one has trace=False."
             )
@@ -238,9 +226,9 @@ class DataParallelStep:
         leaves = optree.tree_leaves(args)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         machine = self._measured_machine(tensors)  # before a capture error can split the ranks
-        donated = _donated_leaves(args, self._donate_argnums)
+        donated = _donated_leaves(args, self._options.donate_argnums)
         key = None
-        if not (self._options.overlap_steps or self._more_axes):
+        if not (self._options.overlap_steps or self._options.axes):
             key = _persistent.key_for(
                 self._step_fn, signature, leaves, self._described, donated, self._group
             )
@@ -251,7 +239,7 @@ class DataParallelStep:
                 self._sharded_step(args),
                 args,
                 tensors,
-                self._options,
+                self._compiler_options,
                 donated,
                 machine,
                 self._group,
@@ -259,7 +247,7 @@ class DataParallelStep:
                 cached=None
                 if key is None
                 else functools.partial(
-                    _persistent.load, key, self._options, machine, device, agreed_cap
+                    _persistent.load, key, self._compiler_options, machine, device, agreed_cap
                 ),
                 agreed_cap=agreed_cap,
                 method=self._capture_method,
@@ -305,7 +293,7 @@ class DataParallelStep:
         proposed = -1
         if _runtime.rank(self._group) == 0:
             restored = _machine.restored(self._group, device)
-            proposed = _persistent.proposal(key, self._options, machine, restored)
+            proposed = _persistent.proposal(key, self._compiler_options, machine, restored)
         cap = torch.tensor([proposed], dtype=torch.int64, device=device)
         dist.broadcast(cap, group=self._group, group_src=0)
         return None if int(cap) < 0 else int(cap)
@@ -314,13 +302,13 @@ class DataParallelStep:
         """The step as traced: sharded parameter arguments gathered for it and its outputs in
         their positions cut back into shards (``fddp.shard_params``)."""
         with _axes.bind(*self._axes()):
-            fx_backend = self._options.in_place  # the FX backend runs fddp's schedule as it is
-            return _sharding.gathering(self._step_fn, args, self.__name__, fx_backend)
+            in_place = self._compiler_options.in_place  # the FX backend runs fddp's schedule
+            return _sharding.gathering(self._step_fn, args, self.__name__, in_place)
 
     def _measured_machine(self, tensors: list[torch.Tensor]) -> _machine.Machine | None:
         """The link and compute figures the default bucket cap is chosen from (measured on the
         group's first compile, a collective); None when the policy needs none."""
-        if not self._options.cap.measures(_runtime.world_size(self._group)):
+        if not self._compiler_options.cap.measures(_runtime.world_size(self._group)):
             return None
         return _machine.measured(self._group, _device(tensors))
 
@@ -495,141 +483,22 @@ def data_parallel(
     >>> step(torch.ones(2), torch.ones(3, 2))
     tensor([0.6000, 0.6000])
     """
-    options: dict[str, Any] = dict(
+    options = StepOptions(
         axis_name=axis_name,
         bucket_cap_mb=bucket_cap_mb,
         first_bucket_cap_mb=first_bucket_cap_mb,
-        compile=compile,
-        donate_argnums=donate_argnums,
+        compile=backend(compile),
+        donate_argnums=argnums(donate_argnums),
         comm_dtype=comm_dtype,
         group=group,
-        axes=axes,
+        axes=dict(axes or {}),
         trace=trace,
-        check_replicas=check_replicas,
+        check_replicas=replicated(check_replicas),
         cache_size=cache_size,
         overlap_steps=overlap_steps,
-        remat=remat,
-        invariant=invariant,
+        remat=checked_policy(remat, "data_parallel(remat=...)"),
+        invariant=_invariant.checked(invariant),
     )
     if step_fn is None:
-        return functools.partial(_data_parallel, **options)
-    return _data_parallel(step_fn, **options)
-
-
-def _checked_axes(
-    axes: Mapping[str, dist.ProcessGroup], axis_name: str, group: dist.ProcessGroup | None
-) -> dict[str, dist.ProcessGroup]:
-    """``data_parallel``'s ``axes``, each a process group of ranks of ``group``."""
-    if not axes:
-        return {}
-    _runtime.ensure_group()
-    _mesh.check_axes(axes, group)  # a collective: every rank's groups, one verdict everywhere
-    outer = set(dist.get_process_group_ranks(group or dist.group.WORLD))
-    for name, sub in axes.items():
-        if name == axis_name:
-            raise ValueError(
-                f"data_parallel: axes names {name!r}, which is axis_name, the whole group's "
-                "axis; give the subgroup another name."
-            )
-        if not isinstance(sub, dist.ProcessGroup):
-            raise TypeError(
-                f"data_parallel: axes[{name!r}] is a {type(sub).__name__}; pass the "
-                "torch.distributed process group (e.g. from dist.new_subgroups or a "
-                "DeviceMesh's get_group) that this rank belongs to."
-            )
-        if not set(dist.get_process_group_ranks(sub)) <= outer:
-            raise ValueError(
-                f"data_parallel: axes[{name!r}] holds ranks outside the step's group; each "
-                "axis must be a subgroup of group."
-            )
-    return dict(axes)
-
-
-def _backend(compile: bool | str) -> str:
-    """``compile=`` decoded: ``"fx"`` (False, or ``"fx"``) or ``"inductor"`` (True)."""
-    backend = "inductor" if compile is True else "fx" if compile is False else compile
-    if backend not in _pipeline.BACKENDS:
-        raise ValueError(
-            f"compile={compile!r}: use False (run the scheduled FX graph) or True (compile it "
-            "with Inductor; 'inductor' and 'fx' name the two as well)."
-        )
-    return backend
-
-
-def _data_parallel(
-    step_fn: Callable[..., Any],
-    *,
-    axis_name: str,
-    bucket_cap_mb: float | None,
-    first_bucket_cap_mb: float,
-    compile: bool | str,
-    donate_argnums: int | Sequence[int],
-    comm_dtype: torch.dtype | None,
-    group: dist.ProcessGroup | None,
-    axes: Mapping[str, dist.ProcessGroup] | None,
-    trace: bool,
-    check_replicas: bool | Sequence[int],
-    cache_size: int,
-    overlap_steps: bool,
-    remat: Policy | None = None,
-    invariant: Invariant | int | None = None,
-    built_with: Sequence[Line] = (),
-) -> DataParallelStep:
-    """``data_parallel``; ``built_with``: more labelled lines on how the step was built (a
-    transform's own options), compared across ranks on every call before data_parallel's."""
-    if (bucket_cap_mb is not None and bucket_cap_mb <= 0) or first_bucket_cap_mb <= 0:
-        raise ValueError("bucket_cap_mb and first_bucket_cap_mb must be positive (MiB).")
-    if cache_size < 1:
-        raise ValueError(f"cache_size={cache_size}: keep at least one compiled program.")
-    backend = _backend(compile)
-    if overlap_steps and backend != "fx":
-        raise ValueError(
-            "overlap_steps runs the scheduled graph without Inductor: use compile=False."
-        )
-    cap = CapPolicy(
-        fixed=None if bucket_cap_mb is None else int(bucket_cap_mb * 2**20),
-        first=int(first_bucket_cap_mb * 2**20),
-    )
-    policy = checked_policy(remat, "data_parallel(remat=...)")
-    options = _pipeline.Options(cap, comm_dtype, backend, overlap_steps, policy)
-    donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
-    more_axes = _checked_axes(axes or {}, axis_name, group)
-    checked = (0,) if check_replicas is True else tuple(check_replicas or ())
-    described: list[Line] = [
-        ("the step", qualified_name(step_fn)),
-        *built_with,
-        ("option axis_name", repr(axis_name)),
-        ("option bucket_cap_mb", repr(bucket_cap_mb)),
-        ("option first_bucket_cap_mb", repr(first_bucket_cap_mb)),
-        ("option compile", repr(backend)),
-        ("option donate_argnums", repr(donate)),
-        ("option comm_dtype", repr(comm_dtype)),
-        ("option trace", repr(trace)),
-        ("option check_replicas", repr(checked)),
-        ("option cache_size", repr(cache_size)),
-        ("option overlap_steps", repr(overlap_steps)),
-        ("option remat", repr(policy)),
-        ("option axes", repr({n: dist.get_world_size(g) for n, g in more_axes.items()})),
-    ]
-    chunked = _invariant.checked(invariant)
-    if chunked is not None:
-        if comm_dtype is not None:
-            raise ValueError(
-                "invariant mode reduces gradients as exact int64 sums; comm_dtype would cast "
-                "them. Use one or the other."
-            )
-        _invariant.check_backend(backend)
-        described.append(("option invariant", repr(chunked)))
-        step_fn = _invariant.wrapped(chunked, axis_name, step_fn, sub_axes=tuple(more_axes))
-    return DataParallelStep(
-        step_fn,
-        axis_name=axis_name,
-        options=options,
-        described=described,
-        donate_argnums=donate,
-        group=group,
-        axes=more_axes,
-        trace=trace,
-        check_replicas=checked,
-        cache_size=cache_size,
-    )
+        return functools.partial(DataParallelStep, options=options)
+    return DataParallelStep(step_fn, options)

@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 from fddp._base import _files
 from fddp._base._names import qualified_name
-from fddp._compiler import _pipeline
 from fddp._compiler._cache import _store
 from fddp._compiler._cache._fingerprint import (
     Fingerprint,
@@ -33,6 +32,7 @@ from fddp._compiler._cache._fingerprint import (
     fingerprint,
     locate,
 )
+from fddp._compiler._options import CompileOptions
 from fddp._compiler._passes import _cost
 from fddp._compiler._program import Compiled
 from fddp._ranks import _runtime
@@ -366,7 +366,7 @@ def _profile(key: Key) -> tuple[_cost.Profile, int] | None:
     return entry["profile"], entry["cap"]
 
 
-def proposal(key: Key | None, options: _pipeline.Options, machine: Machine, restored: bool) -> int:
+def proposal(key: Key | None, options: CompileOptions, machine: Machine, restored: bool) -> int:
     """The cap rank 0 proposes for every rank's programs, -1 for none: the cap of the programs
     cached under ``key``, so that noise in the measured link does not choose another one;
     with figures restored from a checkpoint, the cap they choose (as the saved run did)."""
@@ -374,12 +374,12 @@ def proposal(key: Key | None, options: _pipeline.Options, machine: Machine, rest
     if found is None:
         return -1
     profile, cached_cap = found
-    return _pipeline.choose_cap(profile, options.cap, machine).cap if restored else cached_cap
+    return _cost.choose_cap(profile, options.cap, machine).cap if restored else cached_cap
 
 
 def load(
     key: Key,
-    options: _pipeline.Options,
+    options: CompileOptions,
     machine: Machine | None,
     device: torch.device,
     agreed_cap: int | None = None,
@@ -391,7 +391,7 @@ def load(
     if found is None:
         return None
     profile, _ = found
-    choice = _pipeline.choose_cap(profile, options.cap, machine, agreed_cap)
+    choice = _cost.choose_cap(profile, options.cap, machine, agreed_cap)
     payload = _read(key, key.program_path(choice.cap))
     if payload is None:
         return None
