@@ -25,7 +25,7 @@ from fddp._compiler._program import Compiled
 from fddp._func import _invariant
 from fddp._func._invariant import Invariant
 from fddp._func._remat import Policy, checked_policy
-from fddp._ranks import _machine, _pending, _runtime, _timeline
+from fddp._ranks import _pending, _runtime, _timeline
 from fddp._ranks._signature import Modes, Signature, signature_of
 from fddp._step import _step_lock
 from fddp._step._call_check import CallCheck
@@ -58,7 +58,6 @@ class DataParallelStep:
                 options.invariant, options.axis_name, step_fn, sub_axes=tuple(options.axes)
             )
         self._step_fn = step_fn
-        self._unsaved: dict[Signature, _persistent.Key] = {}  # to write after a first run
         self._capture_method = "make_fx"  # "dynamo" once make_fx failed: it is not tried again
         self._modes: Modes | None = None  # the models captures ran: their modes key programs
         self._options = options
@@ -134,9 +133,6 @@ class DataParallelStep:
         self._before_run(compiled, args, tensors)
         with _timeline.step_range() if self._profiling else contextlib.nullcontext():
             out = compiled.run(args, tensors, check.settle, self._axes(traced=True))
-        key = self._unsaved.pop(signature, None)
-        if key is not None:
-            _persistent.save(key, compiled)
         self._replicas.remember(self._origins(compiled, args), out)
         return out
 
@@ -223,17 +219,11 @@ class DataParallelStep:
             of the models the capture ran.
         """
         self._programs.note_compile(signature, args)
-        leaves = optree.tree_leaves(args)
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        machine = self._measured_machine(tensors)  # before a capture error can split the ranks
+        tensors = [x for x in optree.tree_leaves(args) if isinstance(x, torch.Tensor)]
         donated = _donated_leaves(args, self._options.donate_argnums)
-        key = None
+        kept_as = None  # a program that overlaps steps or runs over a mesh is not kept on disk
         if not (self._options.overlap_steps or self._options.axes):
-            key = _persistent.key_for(
-                self._step_fn, signature, leaves, self._described, donated, self._group
-            )
-        device = _device(tensors)
-        agreed_cap = self._agreed_cap(key, machine, device)
+            kept_as = _persistent.Identity(self._step_fn, signature, tuple(self._described))
         with _axes.bind(*self._axes(traced=True)):
             compiled = _pipeline.compile_step(
                 self._sharded_step(args),
@@ -241,22 +231,14 @@ class DataParallelStep:
                 tensors,
                 self._compiler_options,
                 donated,
-                machine,
                 self._group,
                 self.__name__,
-                cached=None
-                if key is None
-                else functools.partial(
-                    _persistent.load, key, self._compiler_options, machine, device, agreed_cap
-                ),
-                agreed_cap=agreed_cap,
+                kept_as=kept_as,
                 method=self._capture_method,
                 compare_graphs=not _sharding.holds_shards(args),
             )
         self._capture_method = compiled.captured.method
         signature = self._with_modes(signature, args, compiled)
-        if key is not None and not compiled.from_cache:
-            self._unsaved[signature] = key
         _runtime.log_rank0(
             "data_parallel: compiled %s (captured with %s)\n%s",
             self.__name__,
@@ -279,44 +261,12 @@ class DataParallelStep:
         self._modes = Modes([*known, *(m for m in ran if not any(m is k for k in known))])
         return signature_of(args, self._modes)[0]
 
-    def _agreed_cap(
-        self,
-        key: _persistent.Key | None,
-        machine: _machine.Machine | None,
-        device: torch.device,
-    ) -> int | None:
-        """Where the cost model chooses the cap on several ranks, every rank takes the cap that
-        rank 0 proposes from its persistent cache (a broadcast at each compile, whether or not
-        a rank has the cache on); None where rank 0 has no cached program for the step."""
-        if machine is None:
-            return None
-        proposed = -1
-        if _runtime.rank(self._group) == 0:
-            restored = _machine.restored(self._group, device)
-            proposed = _persistent.proposal(key, self._compiler_options, machine, restored)
-        cap = torch.tensor([proposed], dtype=torch.int64, device=device)
-        dist.broadcast(cap, group=self._group, group_src=0)
-        return None if int(cap) < 0 else int(cap)
-
     def _sharded_step(self, args: tuple) -> Callable[..., Any]:
         """The step as traced: sharded parameter arguments gathered for it and its outputs in
         their positions cut back into shards (``fddp.shard_params``)."""
         with _axes.bind(*self._axes()):
             in_place = self._compiler_options.in_place  # the FX backend runs fddp's schedule
             return _sharding.gathering(self._step_fn, args, self.__name__, in_place)
-
-    def _measured_machine(self, tensors: list[torch.Tensor]) -> _machine.Machine | None:
-        """The link and compute figures the default bucket cap is chosen from (measured on the
-        group's first compile, a collective); None when the policy needs none."""
-        if not self._compiler_options.cap.measures(_runtime.world_size(self._group)):
-            return None
-        return _machine.measured(self._group, _device(tensors))
-
-
-def _device(tensors: list[torch.Tensor]) -> torch.device:
-    """Where the step computes: its first floating-point argument's device."""
-    device = next((t.device for t in tensors if t.is_floating_point()), None)
-    return device or _runtime.local_device()
 
 
 def _donated_leaves(args: tuple, argnums: tuple[int, ...]) -> set[int]:

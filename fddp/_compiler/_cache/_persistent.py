@@ -35,7 +35,8 @@ from fddp._compiler._cache._fingerprint import (
 from fddp._compiler._options import CompileOptions
 from fddp._compiler._passes import _cost
 from fddp._compiler._program import Compiled
-from fddp._ranks import _runtime
+from fddp._ranks import _machine, _runtime
+from fddp._ranks._agree import Line
 from fddp._ranks._digests import digests
 from fddp._ranks._machine import Machine
 from fddp._ranks._signature import Signature, TensorSpec
@@ -77,6 +78,17 @@ def cache_dir() -> str | None:
     if _directory is _UNSET:
         return os.environ.get(ENV) or None
     return _directory
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """What a step's program on disk is kept under, beside the versions, the world and the
+    donated arguments: the step (fingerprinted with everything it reaches), the call's
+    signature and how the step was built (its options as the ranks compare them)."""
+
+    step_fn: Any
+    signature: Signature
+    described: tuple[Line, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,16 +169,11 @@ def _signature_text(signature: Signature) -> list[str]:
 
 
 def key_for(
-    step_fn: Any,
-    signature: Signature,
-    leaves: list[Any],
-    described: list[tuple[str, str]],
-    donated: set[int],
-    group: dist.ProcessGroup | None,
+    identity: Identity, leaves: list[Any], donated: set[int], group: dist.ProcessGroup | None
 ) -> Key | None:
-    """The cache key of compiling ``step_fn`` for ``signature``; None (warned once) when the
-    cache is off, its directory or key file is not safe, or the step reaches what cannot be
-    fingerprinted."""
+    """The cache key of compiling ``identity``'s step for its signature (``leaves``: the
+    call's); None (warned once) when the cache is off, its directory or key file is not safe,
+    or the step reaches what cannot be fingerprinted."""
     directory = cache_dir()
     if directory is None:
         return None
@@ -174,11 +181,11 @@ def key_for(
     secret = None if path is None else _secret(path)
     if path is None or secret is None:
         return None
-    roots = (step_fn, tuple(x for x in leaves if not isinstance(x, torch.Tensor)))
+    roots = (identity.step_fn, tuple(x for x in leaves if not isinstance(x, torch.Tensor)))
     try:
         found = fingerprint(*roots)
     except Unfingerprintable as e:
-        name = qualified_name(step_fn, module=False)
+        name = qualified_name(identity.step_fn, module=False)
         _warn_once(f"fddp: not keeping {name}'s program in the program cache: {e}.")
         return None
     world = _runtime.world_size(group)
@@ -190,8 +197,8 @@ def key_for(
         sys.version,
         platform.machine(),
         found.digest,
-        _signature_text(signature),
-        described,
+        _signature_text(identity.signature),
+        list(identity.described),
         sorted(donated),
         world,
         _runtime.rank(group),
@@ -364,6 +371,27 @@ def _profile(key: Key) -> tuple[_cost.Profile, int] | None:
     if entry is None or not isinstance(entry.get("profile"), _cost.Profile):
         return None
     return entry["profile"], entry["cap"]
+
+
+def agreed_cap(
+    key: Key | None,
+    options: CompileOptions,
+    machine: Machine | None,
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+) -> int | None:
+    """Where the cost model chooses the cap on several ranks (``machine`` measured), the cap
+    every rank takes: the one rank 0 proposes from its persistent cache (:func:`proposal`), by
+    a broadcast at each compile, whether or not a rank has the cache on; None where rank 0 has
+    no cached program for the step."""
+    if machine is None:
+        return None
+    proposed = -1
+    if _runtime.rank(group) == 0:
+        proposed = proposal(key, options, machine, _machine.restored(group, device))
+    cap = torch.tensor([proposed], dtype=torch.int64, device=device)
+    dist.broadcast(cap, group=group, group_src=0)
+    return None if int(cap) < 0 else int(cap)
 
 
 def proposal(key: Key | None, options: CompileOptions, machine: Machine, restored: bool) -> int:
