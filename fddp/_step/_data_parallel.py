@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -14,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from fddp import _sharding
-from fddp._base import _axes, _model_calls
+from fddp._base import _axes
 from fddp._base._names import qualified_name
 from fddp._collectives._ops import ProcessAxis, process_axis
 from fddp._compiler import _pipeline
@@ -26,16 +25,13 @@ from fddp._func import _invariant
 from fddp._func._invariant import Invariant
 from fddp._func._remat import Policy, checked_policy
 from fddp._ranks import _pending, _runtime, _timeline
-from fddp._ranks._signature import Modes, Signature, signature_of
+from fddp._ranks._signature import Signature
 from fddp._step import _step_lock
 from fddp._step._call_check import CallCheck
+from fddp._step._modes import KnownModels
 from fddp._step._options import StepOptions, argnums, backend, replicated
-from fddp._step._replica_guard import (
-    ReplicaGuard,
-    describe_source,
-    tensor_indices_of_arg,
-    tensor_paths,
-)
+from fddp._step._replica_guard import ReplicaGuard, tensor_indices_of_arg
+from fddp._step._schedule import plan_of
 
 
 class DataParallelStep:
@@ -59,7 +55,7 @@ class DataParallelStep:
             )
         self._step_fn = step_fn
         self._capture_method = "make_fx"  # "dynamo" once make_fx failed: it is not tried again
-        self._modes: Modes | None = None  # the models captures ran: their modes key programs
+        self._models = KnownModels()
         self._options = options
         self._compiler_options = options.for_compiler
         self._group = options.group
@@ -115,7 +111,7 @@ class DataParallelStep:
     def _call(self, args: tuple) -> Any:
         _runtime.ensure_group()
         # a pending output has its value's signature
-        signature, leaves = signature_of(args, self._modes)
+        signature, leaves = self._models.signature(args)
         if not self._options.overlap_steps and any(map(_pending.is_pending, leaves)):
             args = _pending.finished(args)  # another step's pending outputs, finished first
             leaves = optree.tree_leaves(args)
@@ -130,10 +126,10 @@ class DataParallelStep:
         if compiled is None:
             signature, compiled = self._compile(signature, args)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        self._before_run(compiled, args, tensors)
+        self._replicas.before_run(compiled, args, tensors)
         with _timeline.step_range() if self._profiling else contextlib.nullcontext():
             out = compiled.run(args, tensors, check.settle, self._axes(traced=True))
-        self._replicas.remember(self._origins(compiled, args), out)
+        self._replicas.after_run(compiled, args, out)
         return out
 
     def _run_eagerly(self, args: tuple, settle: Callable[[], None]) -> Any:
@@ -141,22 +137,6 @@ class DataParallelStep:
         self._replicas.check_digests(args, eager=True)
         with _axes.bind(*self._axes()):
             return self._sharded_step(args)(*args)
-
-    def _before_run(self, compiled: Compiled, args: tuple, tensors: list[torch.Tensor]) -> None:
-        """The replication checks due before this call runs."""
-        if compiled.varying_tensors is None:
-            compiled.varying_tensors = self._replicas.first_run(args, tensors)
-        self._replicas.refuse_fed_back(args)
-
-    def _origins(self, compiled: Compiled, args: tuple) -> dict[int, tuple[str, str]]:
-        """The per-rank output leaves of ``compiled`` (path, source), learned after its first
-        run."""
-        if compiled.varying_outputs is None:
-            assert compiled.varying_tensors is not None  # learned before the first run
-            compiled.varying_outputs = compiled.output_sources(
-                compiled.varying_tensors, tensor_paths(args)
-            )
-        return compiled.varying_outputs
 
     def schedule(self, *args: Any) -> Plan:
         """The compiled plan for these arguments (captures if needed; runs nothing).
@@ -170,22 +150,7 @@ class DataParallelStep:
             call with these arguments, whether each output is replicated or per-rank. ``print``
             it for a table.
         """
-        compiled = self._compiled_for(args, "called schedule()")
-        plan = compiled.program.schedule
-        if compiled.program.across_steps is not None:
-            plan = dataclasses.replace(plan, across_steps=compiled.program.across_steps.describe())
-        if compiled.varying_outputs is None:
-            return plan
-        replication = tuple(
-            (
-                path,
-                f"per-rank (from {describe_source(compiled.varying_outputs[j][1])})"
-                if j in compiled.varying_outputs
-                else "replicated",
-            )
-            for j, path in enumerate(compiled.output_paths())
-        )
-        return dataclasses.replace(plan, replication=replication)
+        return plan_of(self._compiled_for(args, "called schedule()"))
 
     def graph(self, *args: Any) -> torch.fx.GraphModule:
         """The scheduled FX graph run for these arguments (captures if needed; runs nothing).
@@ -203,7 +168,7 @@ class DataParallelStep:
             raise ValueError(
                 f"{request.removeprefix('called ')} needs a traced step; this one has trace=False."
             )
-        signature, _ = signature_of(args, self._modes)
+        signature, _ = self._models.signature(args)
         compiled = self._programs.get(signature)
         if compiled is None:
             self._calls.launch(signature, args, request).settle()
@@ -238,7 +203,7 @@ class DataParallelStep:
                 compare_graphs=not _sharding.holds_shards(args),
             )
         self._capture_method = compiled.captured.method
-        signature = self._with_modes(signature, args, compiled)
+        signature = self._models.after_compile(signature, args, compiled)
         _runtime.log_rank0(
             "data_parallel: compiled %s (captured with %s)\n%s",
             self.__name__,
@@ -249,17 +214,6 @@ class DataParallelStep:
             compiled.program.across_steps.where = self.__name__
         self._programs.put(signature, compiled)
         return signature, compiled
-
-    def _with_modes(self, signature: Signature, args: tuple, compiled: Compiled) -> Signature:
-        """``signature`` with the modes of every model the step is known to run, those of
-        this capture included (a program loaded from the persistent cache could have run any
-        model ``fddp.functional`` wraps)."""
-        ran = _model_calls.functional_models() if compiled.from_cache else compiled.captured.models
-        known = self._modes.models if self._modes is not None else ()
-        if all(any(m is k for k in known) for m in ran):
-            return signature
-        self._modes = Modes([*known, *(m for m in ran if not any(m is k for k in known))])
-        return signature_of(args, self._modes)[0]
 
     def _sharded_step(self, args: tuple) -> Callable[..., Any]:
         """The step as traced: sharded parameter arguments gathered for it and its outputs in
