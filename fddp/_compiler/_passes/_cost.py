@@ -10,7 +10,7 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
-from fddp._collectives._bucket_policy import Predict
+from fddp._collectives._bucket_policy import CapPolicy, Choice, Predict
 from fddp._compiler._graph import is_collective, is_view, is_wait
 from fddp._compiler._passes import _bucket
 from fddp._ranks._machine import Machine
@@ -140,3 +140,21 @@ def predictor(
 ) -> Predict:
     """A function from a cap to the predicted seconds of the step with that cap's buckets."""
     return profile(graph, members).predictor(first_cap, machine)
+
+
+def choose_cap(
+    profile: Profile, policy: CapPolicy, machine: Machine | None, agreed: int | None = None
+) -> Choice:
+    """The bucket cap for a graph of ``profile`` (the cost model needs a ``machine``), or the
+    ``agreed`` one: the cap of the programs the persistent cache holds, which the ranks take
+    from rank 0 (``fddp._compiler._cache._persistent.agreed_cap``)."""
+    machine = machine if profile.reductions else None
+    predict = profile.predictor(policy.first, machine) if machine else None
+    choice = policy.choose(_bucket.total_bytes(profile.reductions), machine, predict)
+    if agreed is None or agreed == choice.cap:
+        return choice
+    return Choice(
+        agreed,
+        "kept from the programs this step cached (fddp.set_cache_dir), which the cost model "
+        "chose when they were compiled",
+    )
