@@ -19,6 +19,7 @@ from typing import Any
 
 import optree
 import torch
+import torch.distributed as dist
 import torch.fx.traceback as fx_traceback
 from torch import fx
 from torch._C._dynamo.guards import GlobalStateGuard
@@ -32,8 +33,9 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from fddp._base import _model_calls
+from fddp._base import _axes, _model_calls
 from fddp._base._errors import CaptureError, PrintWhileTracingWarning, UsageError
+from fddp._collectives._ops import process_axis
 from fddp._compiler._capture import (
     _backward_mode,
     _evidence,
@@ -759,6 +761,21 @@ def _constants(captured: Captured) -> frozenset[int]:
             if n.op == "get_attr" and isinstance(n.target, str)
         ]
     return frozenset(id(t) for t in found if isinstance(t, torch.Tensor))
+
+
+def capture_step(
+    step_fn: Callable[..., Any],
+    args: tuple,
+    *,
+    axis_name: str = "data",
+    group: dist.ProcessGroup | None = None,
+) -> Captured:
+    """``step_fn`` captured as ``fddp.data_parallel(step_fn)`` captures it for the FX backend
+    over ``group`` (default: the world), before any pass: a developer entry point
+    (docs/architecture.md) for benchmarks that schedule the graph themselves."""
+    tensors = [x for x in optree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+    with _axes.bind(process_axis(axis_name, group, traced=True)):
+        return capture(step_fn, args, tensors, fused_backward=True)[0]
 
 
 def _capture_graph(
