@@ -223,8 +223,8 @@ def _plain_object(value: Any) -> bool:
     (a settings object): equal attributes, equal trace."""
     kind = type(value)
     return (
-        kind.__eq__ is object.__eq__
-        and kind.__hash__ is object.__hash__
+        getattr(kind, "__eq__", None) is object.__eq__
+        and getattr(kind, "__hash__", None) is object.__hash__
         and isinstance(getattr(value, "__dict__", None), dict)
         and not isinstance(value, (type, types.ModuleType, types.FunctionType, nn.Module))
         and kind.__module__ != "builtins"

@@ -22,6 +22,7 @@ _LINES_KEPT = 64  # signatures whose lines are kept for the next calls
 SMALL_NUMEL = 8  # replicated tensors of at most this many elements have their values checked
 _VALUE = "the value of argument leaf "
 _COUNT = "the integer value of argument leaf "  # a step count, say: a skipped call
+READ_AS_TRACED = "reads as traced"
 
 
 class Small(NamedTuple):
@@ -185,7 +186,7 @@ class CallCheck:
         self._replicated = replicated
         self._side: dist.ProcessGroup | None = None
         self._agreed_once = False
-        self._lines: dict[tuple[Signature, str], Known] = {}
+        self._lines: dict[tuple[Signature, str, str], Known] = {}
         self.calls = 0  # calls of the step launched on this rank, this one included
 
     def launch(
@@ -194,8 +195,12 @@ class CallCheck:
         args: tuple,
         request: str,
         on_argument_mismatch: Callable[[], None] = lambda: None,
+        reads: str = READ_AS_TRACED,
     ) -> Pending:
-        """Start the check of a call (``request`` says what was called, e.g. ``schedule()``).
+        """Start the check of a call (``request`` says what was called, e.g. ``schedule()``;
+        ``reads``, whether what the step's trace read reads the same: a rank that compiles
+        again for a changed value while the others run the program would run other
+        collectives).
 
         ``on_argument_mismatch`` runs on every rank when the ranks built the step alike and
         differ only in their arguments, before the error is raised: a check of its own that
@@ -204,12 +209,12 @@ class CallCheck:
         self.calls += request == "called the step"
         if _runtime.world_size(self._group) == 1:
             return Pending(self, [], None, on_argument_mismatch)
-        key = (signature, request)
+        key = (signature, request, reads)
         known = self._lines.get(key)
         if known is None:
             if len(self._lines) >= _LINES_KEPT:
                 self._lines.clear()
-            arguments = signature.lines(leaf_paths(args))
+            arguments = [*signature.lines(leaf_paths(args)), ("what the trace read", reads)]
             lines = [("the request", request), *self._options, *arguments]
             # with own_group (overlap_steps), replicated outputs come back as pending tensors,
             # which reading would finish early, undoing the overlap across steps

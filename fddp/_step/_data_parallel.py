@@ -27,7 +27,7 @@ from fddp._func._remat import Policy, checked_policy
 from fddp._ranks import _pending, _runtime, _timeline
 from fddp._ranks._signature import Signature
 from fddp._step import _step_lock
-from fddp._step._call_check import CallCheck
+from fddp._step._call_check import READ_AS_TRACED, CallCheck
 from fddp._step._modes import KnownModels
 from fddp._step._options import StepOptions, argnums, backend, replicated
 from fddp._step._replica_guard import ReplicaGuard, tensor_indices_of_arg
@@ -115,12 +115,16 @@ class DataParallelStep:
         if not self._options.overlap_steps and any(map(_pending.is_pending, leaves)):
             args = _pending.finished(args)  # another step's pending outputs, finished first
             leaves = optree.tree_leaves(args)
+        compiled = self._programs.get(signature) if self._options.trace else None
         check = self._calls.launch(
-            signature, args, "called the step", lambda: self._replicas.compare_digests(args)
+            signature,
+            args,
+            "called the step",
+            lambda: self._replicas.compare_digests(args),
+            reads=self._programs.changed or READ_AS_TRACED,
         )
         if not self._options.trace:
             return self._run_eagerly(args, check.settle)
-        compiled = self._programs.get(signature)
         if compiled is None or compiled.first_call:
             check.settle()  # before the collectives of a compile or of a first call
         if compiled is None:

@@ -33,7 +33,7 @@ class ProgramCache(Generic[Program]):
             collections.OrderedDict()
         )
         self._last: Signature | None = None
-        self._changed: str | None = None  # why the last lookup found no program, if a value
+        self.changed: str | None = None  # why the last lookup found no program, if a value
         self._by_leaf: collections.Counter[str] = collections.Counter()
         self._warned: set[str] = set()
         self.retraces = 0  # compiles after the first
@@ -41,18 +41,20 @@ class ProgramCache(Generic[Program]):
     def get(self, signature: Signature) -> Program | None:
         programs = self._programs.get(signature)
         if programs is None:
-            self._changed = None
+            self.changed = None
             return None
         if len(self._programs) > 1:
             self._programs.move_to_end(signature)  # another key lookup: only where it orders
+        self.changed = None
         for i, program in enumerate(programs):
             changed = program.changed()
             if changed is None:
+                self.changed = None  # what another program read changed, not this one's
                 if i:
                     programs.insert(0, programs.pop(i))
                 return program
             if i == 0:
-                self._changed = changed
+                self.changed = changed
         return None
 
     def put(self, signature: Signature, program: Program) -> None:
@@ -69,7 +71,8 @@ class ProgramCache(Generic[Program]):
         if last is None:
             return
         self.retraces += 1
-        changed, self._changed = self._changed, None
+        changed, self.changed = self.changed, None
+        what: str | None
         if changed is not None and signature in self._programs:
             what, reason = changed.partition(" changed")[0], changed
         else:

@@ -178,10 +178,12 @@ def _snap(value: Any, s: _Snapping) -> Any:
     if s.nodes > MAX_NODES:
         raise NoEvidence(f"reads more than {MAX_NODES} values")
     kind = type(value)
-    if kind is float:
+    if isinstance(value, float) and kind is float:
         return (float, value.hex() if value == value else repr(value))  # the sign of zero too
+    if isinstance(value, complex) and kind is complex:
+        return (kind, value.real.hex(), value.imag.hex())
     if isinstance(value, _SCALARS):
-        return (kind, value) if kind is not complex else (kind, value.real.hex(), value.imag.hex())
+        return (kind, value)
     if isinstance(value, torch.Tensor):
         if s.constants is not None and id(value) not in s.constants:
             return (torch.Tensor,)
@@ -544,7 +546,7 @@ class Recorder:
             self.refused = f"reads the closure variable {name} of a function it cannot find"
             return
         if write:
-            self.writes.append(f"writes the closure variable {name} of {code.co_qualname}")
+            self.writes.append(f"writes the closure variable {name} of {code.co_name}")
             old = _cell_value(cell)
             self._undo.append(lambda: _set_cell(cell, old))
             return
@@ -566,7 +568,7 @@ class Recorder:
         ]
         if len(found) != 1:
             return None
-        return dict(zip(code.co_freevars, found[0].__closure__))[name]
+        return dict(zip(code.co_freevars, found[0].__closure__ or ()))[name]
 
     def _global_write(self, frame: types.FrameType, name: str) -> None:
         namespace = frame.f_globals
@@ -729,7 +731,7 @@ def _module_reads_wrapped() -> Iterator[None]:
     global _installed
     with _PATCHES:
         if _installed == 0:
-            nn.Module.__getattribute__ = _recorded_getattribute  # type: ignore[method-assign]
+            nn.Module.__getattribute__ = _recorded_getattribute  # type: ignore[method-assign,assignment]
         _installed += 1
     try:
         yield

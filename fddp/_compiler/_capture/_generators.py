@@ -70,7 +70,7 @@ def watched() -> Iterator[Draws]:
 
         return wrapper
 
-    module_generator = random._inst  # type: ignore[attr-defined]
+    module_generator = random._inst
     try:
         for name in _PRIMITIVES:  # instances: every method draws through these
             patch(random.Random, name, drawing(lambda a: a[0], f"random.Random.{name}"))

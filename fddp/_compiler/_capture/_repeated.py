@@ -230,8 +230,8 @@ def _replay_for(
     if kind.closed or len(kind.templates) >= MAX_TEMPLATES:
         kind.closed = True
         return None
-    template = _template(block, spec, leaves, names, inputs, kind, paths)
-    return None if template is None else (template, inputs)
+    made = _template(block, spec, leaves, names, inputs, kind, paths)
+    return None if made is None else (made, inputs)
 
 
 def _holds_mutable(arguments: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
