@@ -767,8 +767,11 @@ def recording(recorder: Recorder) -> Iterator[Recorder]:
                     sys.settrace(None)
     finally:
         _LOCAL.recorder = outer
-    if not recorder.trace_code:
-        return
+        if recorder.trace_code:  # also when the code raised: what it wrote is put back
+            _check_writes(recorder, torch_state, python_random)
+
+
+def _check_writes(recorder: Recorder, torch_state: GlobalStateGuard, python_random: Any) -> None:
     if not torch_state.check():
         recorder.writes.append(f"changes torch's {torch_state.reason().strip()}")
     if random.getstate() != python_random:

@@ -165,8 +165,14 @@ def _replaying_forward(
             recorder = getattr(_IN_TEMPLATE, "recorder", None)
             if recorder is None or _evidence.recorder() is not None:  # a block in the block
                 return original(*args, **kwargs)
+            # the template's first run (its probe) is recorded; its trace runs the same Python
+            # again, which reads the same and, where the first wrote nothing, writes nothing
+            _IN_TEMPLATE.recorder = None
             with _evidence.recording(recorder):
-                return original(*args, **kwargs)
+                out = original(*args, **kwargs)
+            if recorder.writes or recorder.refused is not None:
+                raise _NotReplayable("the template wrote, or read what cannot be compared")
+            return out
         if not _may_replay():
             return original(*args, **kwargs)
         main = _evidence.recorder()
