@@ -40,6 +40,7 @@ from fddp._compiler._capture import (
     _backward_mode,
     _evidence,
     _generators,
+    _guards,
     _remat_regions,
     _repeated,
     _user_frames,
@@ -74,7 +75,7 @@ class Captured:
     out_spec: optree.PyTreeSpec | None = None
     method: str = "make_fx"
     models: tuple[torch.nn.Module, ...] = ()
-    guards: _evidence.Guards | None = None  # what the trace read, checked before a reuse
+    guards: _guards.Guards | None = None  # what the trace read, checked before a reuse
     reads: list[_evidence.Read] | None = None  # the make_fx trace's recorded reads
 
 
@@ -746,7 +747,7 @@ def capture(
     ran = tuple(models)
     # a Dynamo capture records no reads: every attribute of the models it ran stands in
     reads = captured.reads if captured.reads is not None else _evidence.state_reads(ran)
-    guards = _evidence.Guards(reads, torch_state, _evidence.module_names(ran), _constants(captured))
+    guards = _guards.Guards(reads, torch_state, _guards.module_names(ran), _constants(captured))
     return dataclasses.replace(captured, models=ran, guards=guards, reads=None), dynamo
 
 
