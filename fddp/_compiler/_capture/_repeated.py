@@ -201,6 +201,8 @@ def _replay_for(
     traced as it is."""
     if any(getattr(block, hooks) for hooks in _HOOKS):
         return None  # they run around this call: a template traced with them would run twice
+    if any(_own_lookup(type(m)) for m in block.modules()):
+        return None  # its attribute reads would not be recorded
     leaves, spec = optree.tree_flatten((args, kwargs))
     tensor_args = [x for x in leaves if isinstance(x, torch.Tensor)]
     others = [x for x in leaves if not isinstance(x, torch.Tensor)]
@@ -238,6 +240,11 @@ def _replay_for(
         return None
     made = _template(block, spec, leaves, names, inputs, kind, paths)
     return None if made is None else (made, inputs)
+
+
+def _own_lookup(kind: type) -> bool:
+    """Whether a module class looks its attributes up its own way (``__getattribute__``)."""
+    return any("__getattribute__" in vars(k) for k in kind.__mro__ if k not in (nn.Module, object))
 
 
 def _holds_mutable(arguments: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
