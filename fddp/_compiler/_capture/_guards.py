@@ -20,6 +20,8 @@ from fddp._compiler._capture._evidence import (
 )
 from fddp._compiler._capture._snapshots import MISSING, immutable_or_code
 
+_MEMBERS = ("_parameters", "_buffers", "_modules")  # where nn.Module's __getattr__ looks
+
 
 class Guards:
     """What a capture read besides its tensors and torch's global state (autocast, grad mode,
@@ -115,7 +117,9 @@ def _quick_check(reads: list[Read]) -> Callable[[int], int]:
             continue  # the call's own parameter or buffer
         if read.kind in ("instance", "member"):
             d = object.__getattribute__(owner, "__dict__")
-            where = bind(d if read.kind == "instance" else d["_modules"], "d")
+            if read.kind == "member":  # the dict it was found in: parameters, buffers, children
+                d = next((d[m] for m in _MEMBERS if name in d[m]), d["_modules"])
+            where = bind(d, "d")
             got = f"{where}.get({name!r}, M)"
         elif read.kind == "class":
             d = getattr(owner, "__dict__", None)

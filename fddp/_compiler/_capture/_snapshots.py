@@ -250,11 +250,11 @@ def _hidden_state(kind: type) -> bool:
 
 
 def immutable_or_code(value: Any) -> bool:
-    """Whether the same object is always the same snapshot (nothing inside it can change)."""
+    """Whether the same object is always the same snapshot outside a block (nothing inside it
+    can change: a module's own reads are recorded apart)."""
     if isinstance(value, tuple):
         return type(value) in (tuple, torch.Size) and all(map(immutable_or_code, value))
     if isinstance(value, (type, types.ModuleType)):
         return _is_library(value)  # a user's class or module: its attributes too
-    return isinstance(value, (*_SCALARS, types.FunctionType, *_BY_IDENTITY, torch.Tensor)) or (
-        value is MISSING
-    )
+    kinds = (*_SCALARS, types.FunctionType, *_BY_IDENTITY, torch.Tensor, nn.Module)
+    return isinstance(value, kinds) or value is MISSING
