@@ -51,7 +51,7 @@ def set_cache_dir(path: str | os.PathLike | None, *, max_bytes: int = MAX_BYTES)
     and constant of the graph, how its inputs and outputs map to the step's), the argument
     signature, the options, the world and the versions of Python, torch and fddp are those of
     a program kept there, it loads the scheduled program instead of running the passes and
-    building it again (at 32 layers the first call takes about half the time). Whatever the
+    building it again (a restart's first call takes 0.5-0.7 of a first compile's). Whatever the
     step's Python read while it was traced (its code, modules, files, environment variables)
     is in the captured program, so an edit anywhere is seen. Off by default; the environment
     variable ``FDDP_CACHE_DIR`` turns it on for a whole job. The directory is created private
