@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _compare import assert_trees_close
+from _dist import run_checks
 from torch import nn
 
 import fddp
@@ -122,3 +123,30 @@ def test_unchanged_values_reuse_the_program():
     config.scale = 1.0
     pstep(params, x, y, config)
     assert pstep.retraces == 0
+
+
+def _one_rank_changes_p() -> tuple[str, str]:
+    """Rank 1 alone sets its dropout's ``p`` between two calls: what each rank raises."""
+    net, step, params, x, y = _setup()
+    pstep = fddp.data_parallel(step)
+    pstep(params, x, y)
+    if fddp.rank() == 1:
+        net.drop.p = 1.0
+    try:
+        pstep(params, x, y)
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return "", ""
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_checks({"one rank changes p": _one_rank_changes_p}, world_size=2)
+
+
+def test_a_value_changed_on_one_rank_is_an_error_on_every_rank(two_ranks):
+    """The rank that would compile again and the rank that would run its program agree on
+    the verdict first: both raise, naming the value, instead of waiting on each other."""
+    for kind, message in two_ranks["one rank changes p"]:
+        assert kind == "ScheduleMismatchError", message
+        assert "Net.drop.p changed" in message, message
