@@ -57,6 +57,10 @@ class ProgramCache(Generic[Program]):
                 self.changed = changed
         return None
 
+    def programs(self) -> list[Program]:
+        """Every program kept, the most recently used signature's last."""
+        return [p for programs in self._programs.values() for p in programs]
+
     def put(self, signature: Signature, program: Program) -> None:
         self._programs.setdefault(signature, []).insert(0, program)
         while sum(map(len, self._programs.values())) > self._size:
