@@ -9,6 +9,7 @@ import optree
 import torch
 import torch.distributed as dist
 
+from fddp._base import _saved_together
 from fddp._base._errors import UsageValueError
 from fddp._base._types import TensorTree
 from fddp._checkpoint import _format, _like, _rank0
@@ -93,6 +94,9 @@ def save(path: PathLike, tree: TensorTree, *, rank0_only: bool = True) -> None:
     paths, leaves, treespec = _like.flatten(_pending.finished(tree))
     for leaf_path, leaf in zip(paths, leaves):
         _like.check_savable(leaf_path, leaf, "fddp.save")
+    apart = _saved_together.missing(leaves)
+    if apart is not None:
+        raise UsageValueError(f"fddp.save({path!r}): {apart}. Nothing was written.")
     payload = {
         "format": "fddp.checkpoint",
         "version": _format.VERSION,

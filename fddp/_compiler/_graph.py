@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
+import torch.distributed
 from torch import fx
 
 c10d = torch.ops._c10d_functional
@@ -32,6 +33,14 @@ _BOOKKEEPING = {
     "as_strided",
     "empty",
 }
+
+
+def group_of(name: object) -> str:
+    """A process group by its size: ranks of different subgroups of one axis (data_parallel's
+    ``axes``) name their groups differently and still run the same schedule."""
+    resolve = torch.distributed.distributed_c10d._resolve_process_group
+    group = resolve(cast(Any, name))  # a GroupName, as the graph's collective holds it
+    return f"group of {group.size()}"
 
 
 def _overload(node: fx.Node) -> torch._ops.OpOverload | None:

@@ -14,12 +14,24 @@ from fddp._compiler._graph import alias_root, is_collective, mutated_inputs
 PER_RANK_RESULTS = {torch.ops._c10d_functional.reduce_scatter_tensor.default}
 
 
+def generator_bit(rank_bit: int) -> int:
+    """The bit that stands for the random generator's state, the one above the rank's."""
+    return rank_bit << 1
+
+
+def draws_random(node: fx.Node) -> bool:
+    """Whether ``node`` draws from a random generator (its result depends on the state)."""
+    tags = getattr(node.target, "tags", ())
+    return node.op == "call_function" and torch.Tag.nondeterministic_seeded in tags
+
+
 def dependencies(graph: fx.Graph) -> tuple[list[int], int]:
     """For each graph output, the placeholders it depends on without a collective in between.
 
     Returns:
         One bitset per output (bit ``k`` for the ``k``-th placeholder), and the bit that stands
-        for the rank itself (set on outputs computed from ``axis_index``).
+        for the rank itself (set on outputs computed from ``axis_index``); the bit above it
+        (:func:`generator_bit`) is set on outputs computed from a random draw.
     """
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     rank_bit = 1 << len(placeholders)
@@ -32,6 +44,8 @@ def dependencies(graph: fx.Graph) -> tuple[list[int], int]:
             deps[node] = rank_bit if reads_rank or node.target in PER_RANK_RESULTS else 0
             continue
         bits = rank_bit if reads_rank else 0
+        if draws_random(node):
+            bits |= generator_bit(rank_bit)
         for arg in node.all_input_nodes:
             bits |= deps.get(arg, 0)
         deps[node] = bits
