@@ -52,13 +52,6 @@ def states(args: tuple) -> list[ShardedState]:
     return [x for x in leaves if isinstance(x, ShardedState)]
 
 
-def holds_shards(args: tuple) -> bool:
-    """Whether ``args`` hold sharded parameters or optimizer state: each rank's graph then
-    updates its own shards, with nodes of its own, so the graphs are not compared."""
-    leaves = optree.tree_leaves(args, is_leaf=lambda x: isinstance(x, _SHARDED), none_is_leaf=True)
-    return any(isinstance(x, _SHARDED) for x in leaves)
-
-
 def sharded_positions(args: tuple) -> tuple[int, ...]:
     """The positions of ``args`` that hold :class:`ShardedParams`."""
     return tuple(i for i, a in enumerate(args) if isinstance(a, ShardedParams))

@@ -280,12 +280,13 @@ class ReplicaGuard:
         were computed from these."""
         if compiled is None or compiled.varying_outputs is None:
             return set()
-        key = id(compiled)
+        program: Compiled = compiled
+        key = id(program)
         entry = self._learned.get(key)
-        if entry is None or entry[0]() is not compiled:
-            entry = self._learned[key] = (weakref.ref(compiled), self._first_needs(compiled))
+        if entry is None or entry[0]() is not program:
+            entry = self._learned[key] = (weakref.ref(program), self._first_needs(program))
         needed = entry[1]
-        if self._last is not compiled:
+        if self._last is not program:
             return needed
         todo = [*layout.replicated, *(i for i in needed if i >= 0)]
         seen = set(todo)
@@ -294,7 +295,7 @@ class ReplicaGuard:
             known = self._known.get(id(tensors[i])) if 0 <= i < len(tensors) else None
             if known is None or known.ref() is not tensors[i] or known.call != self._calls:
                 continue
-            for source in sources_of(compiled, known.output):
+            for source in sources_of(program, known.output):
                 if source not in seen:
                     seen.add(source)
                     needed.add(source)
