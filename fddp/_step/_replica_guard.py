@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import weakref
 from typing import Any
@@ -129,7 +130,7 @@ class Inputs:
     ``layout`` says which tensor arguments must be the same on every rank; each of those was
     either hashed now (``hashed``: index -> its digest) or is known to be the same everywhere
     from its origin: a replicated output of one of this step's calls (``origins``: index ->
-    ``"output <path> of call <n>"``), which every rank must then name alike. Per-rank leaves
+    :class:`Returned`), which every rank must then name alike. Per-rank leaves
     of a sharded layout enter by their origin alone. ``generator``: the random generator's
     state, where the step's results depend on it.
     """
@@ -137,20 +138,28 @@ class Inputs:
     layout: Layout
     tensors: list[torch.Tensor]
     hashed: dict[int, torch.Tensor]
-    origins: dict[int, str]
+    origins: dict[int, Returned]
     generator: torch.Tensor | None = None
 
     def terms(self) -> str:
         """The call's inputs as text to digest: for each replicated leaf its digest or origin,
         for each per-rank leaf its origin, the generator's state."""
-        terms = [
-            (i, self.origins[i] if i not in self.hashed else self.hashed[i].tolist())
+        hashed, origins = self.hashed, self.origins
+        terms: list[Any] = [
+            (i, origins[i].call, origins[i].output) if i not in hashed else (i, *hashed[i].tolist())
             for i in self.layout.replicated
         ]
-        terms += [(i, self.origins.get(i, NEW)) for i in self.layout.per_rank]
+        terms += [
+            (i, origins[i].call, origins[i].output) if i in origins else (i,)
+            for i in self.layout.per_rank
+        ]
         if self.generator is not None:
             terms.append((GENERATOR_SOURCE, _digests.digests([self.generator])[0].tolist()))
         return repr(terms)
+
+    def _origin(self, i: int) -> str:
+        known = self.origins.get(i)
+        return NEW if known is None else known.origin
 
     def integer_labels(self) -> set[str]:
         """The labels of the replicated integer leaves (a step count: a skipped call)."""
@@ -175,25 +184,48 @@ class Inputs:
             digest = self.hashed.get(i, found.get(i))
             assert digest is not None
             values.append((VALUE + paths[i], _describe(self.tensors[i], digest)))
-        origins = [(VALUE + paths[i], self.origins.get(i, NEW)) for i in order]
+        origins = [(VALUE + paths[i], self._origin(i)) for i in order]
         origins += [
-            (f"argument leaf {paths[i]} ({why})", self.origins.get(i, NEW))
+            (f"argument leaf {paths[i]} ({why})", self._origin(i))
             for i, why in self.layout.per_rank.items()
         ]
         return values, origins
 
 
 @dataclasses.dataclass
-class _Known:
+class Returned:
     """An output of one of the step's calls: the tensor, where it came out, whether it is the
     same on every rank (and its version then, to notice writes since)."""
 
     ref: weakref.ref
     output: int  # its index among the call's output leaves
-    origin: str
     call: int
     replicated: bool
     version: int
+    paths: list[str]  # the paths of the call's output leaves
+
+    @property
+    def origin(self) -> str:
+        return f"output {self.paths[self.output]} of call {self.call}"
+
+
+@dataclasses.dataclass
+class _Facts:
+    """What the guard learned of one program: per output leaf its sources and path (once its
+    outputs are known), and the sources its replicated outputs need beyond the replicated
+    arguments."""
+
+    ref: weakref.ref
+    needed: set[int]
+    sources: list[frozenset[int]] | None = None
+    paths: list[str] | None = None
+
+    def outputs(self, compiled: Compiled, out: Any) -> tuple[list[frozenset[int]], list[str]]:
+        if self.sources is None or self.paths is None:
+            count = len(compiled.captured.outputs or ())
+            self.sources = [frozenset(sources_of(compiled, j)) for j in range(count)]
+            self.paths = readable_paths(out)
+        return self.sources, self.paths
 
 
 class ReplicaGuard:
@@ -211,13 +243,12 @@ class ReplicaGuard:
         self._name, self._group, self._argnums = name, group, argnums
         self._generator = generator
         self._layouts: dict[Signature, Layout] = {}
-        self._known: dict[int, _Known] = {}  # id of an output tensor -> what it is
+        self._known: dict[int, Returned] = {}  # id of an output tensor -> what it is
+        self._by_call: collections.deque[list[int]] = collections.deque()  # their ids by call
         self._last: Compiled | None = None  # the program the last call ran
         self._calls = 0  # calls whose outputs were recorded
         self._first_checked: set[int] = set()  # what a program's first run found the same
-        # per program: the further sources its replicated outputs need, learned from which of
-        # its outputs come back in replicated arguments; whether its random draws must agree
-        self._learned: dict[int, tuple[weakref.ref, set[int]]] = {}
+        self._facts: dict[int, _Facts] = {}  # by the id of the program
         # per-rank output leaves of the last call: id -> (the leaf, its path, its source)
         self._fed_back: dict[int, tuple[weakref.ref, str, str]] = {}
 
@@ -252,14 +283,14 @@ class ReplicaGuard:
         more = needed - set(layout.replicated) - set(layout.per_rank)
         replicated = [*layout.replicated, *sorted(i for i in more if i >= 0)]
         layout = dataclasses.replace(layout, replicated=replicated)
-        origins: dict[int, str] = {}
+        origins: dict[int, Returned] = {}
         unproven = []
         for i in [*replicated, *layout.per_rank]:
             known = self._known.get(id(tensors[i]))
             if known is None or known.ref() is not tensors[i]:
                 unproven.append(i)
                 continue
-            origins[i] = known.origin
+            origins[i] = known
             if i in layout.per_rank:
                 continue
             if not known.replicated or known.version != tensors[i]._version:
@@ -281,12 +312,9 @@ class ReplicaGuard:
         if compiled is None or compiled.varying_outputs is None:
             return set()
         program: Compiled = compiled
-        key = id(program)
-        entry = self._learned.get(key)
-        if entry is None or entry[0]() is not program:
-            entry = self._learned[key] = (weakref.ref(program), self._first_needs(program))
-        needed = entry[1]
-        if self._last is not program:
+        facts = self._facts_of(program)
+        needed = facts.needed
+        if self._last is not program or facts.sources is None:
             return needed
         todo = [*layout.replicated, *(i for i in needed if i >= 0)]
         seen = set(todo)
@@ -295,7 +323,7 @@ class ReplicaGuard:
             known = self._known.get(id(tensors[i])) if 0 <= i < len(tensors) else None
             if known is None or known.ref() is not tensors[i] or known.call != self._calls:
                 continue
-            for source in sources_of(program, known.output):
+            for source in facts.sources[known.output]:
                 if source not in seen:
                     seen.add(source)
                     needed.add(source)
@@ -303,9 +331,16 @@ class ReplicaGuard:
                         todo.append(source)
         return needed
 
-    def _first_needs(self, compiled: Compiled) -> set[int]:
-        """Under the invariant mode every random draw of the program must agree."""
-        return {GENERATOR_SOURCE} if self._generator and _draws(compiled, True) else set()
+    def _facts_of(self, compiled: Compiled) -> _Facts:
+        """What is known of ``compiled``; at first, under the invariant mode, that its random
+        draws must agree."""
+        facts = self._facts.get(id(compiled))
+        if facts is None or facts.ref() is not compiled:
+            if len(self._facts) >= 64:
+                self._facts = {k: f for k, f in self._facts.items() if f.ref() is not None}
+            needed = {GENERATOR_SOURCE} if self._generator and _draws(compiled, True) else set()
+            facts = self._facts[id(compiled)] = _Facts(weakref.ref(compiled), needed)
+        return facts
 
     def after_call(self, compiled: Compiled | None, inputs: Inputs | None, out: Any) -> None:
         """Record the call's output tensors: where each came out, and whether it is the same
@@ -320,27 +355,29 @@ class ReplicaGuard:
         checked |= self._first_checked
         self._first_checked = set()
         varying = None if compiled is None else compiled.varying_outputs
-        paths = readable_paths(out)
+        if compiled is None or varying is None:
+            sources, paths = None, readable_paths(out)
+        else:
+            sources, paths = self._facts_of(compiled).outputs(compiled, out)
+        ids = []
         for j, leaf in enumerate(optree.tree_leaves(out)):
             if not isinstance(leaf, torch.Tensor):
                 continue
-            replicated = (
-                varying is not None and j not in varying and sources_of(compiled, j) <= checked  # type: ignore[arg-type]
+            replicated = sources is not None and j not in varying and sources[j] <= checked  # type: ignore[operator]
+            self._known[id(leaf)] = Returned(
+                weakref.ref(leaf), j, call, replicated, leaf._version, paths
             )
-            origin = f"output {paths[j]} of call {call}"
-            self._known[id(leaf)] = _Known(
-                weakref.ref(leaf), j, origin, call, replicated, leaf._version
-            )
-        self._forget(call)
+            ids.append(id(leaf))
+        self._forget(ids, call)
 
-    def _forget(self, call: int) -> None:
-        old = [
-            k
-            for k, known in self._known.items()
-            if known.ref() is None or known.call <= call - _CALLS_REMEMBERED
-        ]
-        for k in old:
-            del self._known[k]
+    def _forget(self, ids: list[int], call: int) -> None:
+        """Keep the outputs of the last few calls only."""
+        self._by_call.append(ids)
+        if len(self._by_call) > _CALLS_REMEMBERED:
+            for k in self._by_call.popleft():
+                known = self._known.get(k)
+                if known is not None and known.call <= call - _CALLS_REMEMBERED:
+                    del self._known[k]
 
     def first_run(
         self, args: tuple, tensors: list[torch.Tensor], compiled: Compiled, device: torch.device
