@@ -20,9 +20,12 @@ round starting with the next, a barrier before every call, the slowest rank's ti
   copies are made before the call).
 
 Prints the medians, the default's and the hashed step's cost over the opt-out in
-milliseconds and percent of the opt-out's step, and writes the table to
-``benchmarks/results/<UTC time>_agreement_cost.md``. Report ``uptime`` with the figures: on a
-shared machine the load moves them.
+milliseconds and percent of the opt-out's step, and, measured inside the two checked steps,
+the agreement's own work per call (what the call's inputs are, their digests or origins, the
+check's launch, the record of the outputs; the all-reduce it rides on existed before) as a
+share of the step (the difference of whole steps is within the noise of a shared machine),
+and writes the table to ``benchmarks/results/<UTC time>_agreement_cost.md`` with the load
+average: on a shared machine the load moves the figures.
 """
 
 from __future__ import annotations
@@ -63,8 +66,23 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def timed(obj: Any, method: str, spent: list[float]) -> None:
+    """Add the seconds each call of ``obj.method`` takes to ``spent[0]``."""
+    inner = getattr(obj, method)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    setattr(obj, method, wrapper)
+
+
 def variant(name: str, workload: str, device: torch.device) -> Any:
-    """One step object trained from its own copy of the state: ``call(batch)``."""
+    """One step object trained from its own copy of the state: ``call(batch)`` returns the
+    call's seconds and the agreement's own seconds in it."""
     spec = WORKLOADS[workload]
     model = build_model(spec, device)
     params, buffers = fddp.state(model)
@@ -76,17 +94,23 @@ def variant(name: str, workload: str, device: torch.device) -> Any:
         donate_argnums=(0, 1),
         check_replicas=checked,
     )
+    spent = [0.0]
+    for obj, method in [
+        (pstep._replicas, "inputs"),
+        (pstep._replicas, "after_call"),
+        (pstep._calls, "launch"),
+    ]:
+        timed(obj, method, spent)
 
     def fresh() -> list:
         """The arguments of the next call: for ``hashed``, copies the step has never seen."""
         if name != "hashed":
             return state
-        return [optree.tree_map(torch.clone, state[0]), optree.tree_map(torch.clone, state[1])] + [
-            state[2]
-        ]
+        return [*(optree.tree_map(torch.clone, tree) for tree in state[:2]), state[2]]
 
-    def call(batch: Any) -> float:
+    def call(batch: Any) -> tuple[float, float]:
         args = fresh()
+        spent[0] = 0.0
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dist.barrier()
@@ -96,7 +120,7 @@ def variant(name: str, workload: str, device: torch.device) -> Any:
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
         state[:] = list(out[:3])
-        return seconds
+        return seconds, spent[0]
 
     return call
 
@@ -107,7 +131,7 @@ def time_variants(workload: str, args: argparse.Namespace, device: torch.device)
     for name in VARIANTS:
         for i in range(args.warmup):
             calls[name](batches[i % len(batches)])
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in VARIANTS}
     for r in range(args.rounds):
         for name in VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]:
             for i in range(args.block):
@@ -123,7 +147,10 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, path: 
         mine = time_variants(workload, args, device)
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, mine)
-        slowest = {k: [max(t) for t in zip(*(e[k] for e in everyone))] for k in mine}
+        slowest = {
+            k: [max(t, key=lambda pair: pair[0]) for t in zip(*(e[k] for e in everyone))]
+            for k in mine
+        }
         params = param_count(build_model(WORKLOADS[workload], torch.device("cpu")))
         out[workload] = {"params": params, "seconds": slowest}
     if rank == 0:
@@ -134,14 +161,26 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, path: 
 
 
 def table(results: dict) -> str:
-    head = ["workload", "params", *(f"{v} (ms)" for v in VARIANTS), "default cost", "hashed cost"]
+    head = [
+        "workload",
+        "params",
+        *(f"{v} (ms)" for v in VARIANTS),
+        "default - opt-out",
+        "hashed - opt-out",
+        "agreement work, default",
+        "agreement work, hashed",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for workload, found in results.items():
-        ms = {k: statistics.median(v) * 1e3 for k, v in found["seconds"].items()}
+        steps = {k: [pair[0] for pair in v] for k, v in found["seconds"].items()}
+        ms = {k: statistics.median(v) * 1e3 for k, v in steps.items()}
         base = ms["check_replicas=False"]
         cells = [workload, f"{found['params']:,}", *(f"{ms[v]:.1f}" for v in VARIANTS)]
         for name in ("default", "hashed"):
             cells.append(f"{ms[name] - base:+.2f} ms ({100 * (ms[name] - base) / base:+.1f} %)")
+        for name in ("default", "hashed"):
+            work = statistics.median(pair[1] for pair in found["seconds"][name]) * 1e3
+            cells.append(f"{work:.2f} ms ({100 * work / ms[name]:.2f} %)")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

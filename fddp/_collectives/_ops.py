@@ -170,7 +170,10 @@ class _AllGather(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         # the rank comes in as an argument: Dynamo cannot trace a group lookup in backward
         total = _AllReduceSum.apply(grad.contiguous(), ctx.group_name)
-        with fx_traceback.annotate({_annotations.AXIS_INDEX: "all_gather's vjp: this rank's rows"}):
+        rows = (
+            {_annotations.AXIS_INDEX: "all_gather's vjp: this rank's rows"} if ctx.size > 1 else {}
+        )
+        with fx_traceback.annotate(rows):
             own = total.narrow(0, ctx.rank * ctx.rows, ctx.rows)
         return own, None, None, None, None
 
