@@ -113,9 +113,10 @@ class Pending:
             if origin is not None or difference.label in self._inputs.integer_labels():
                 raise _skipped(name, self._call, difference, origin)
             raise _drifted(name, self._call, difference)
-        if all(theirs[:built] == everyone[0][:built] for theirs in everyone):
+        built_alike = all(theirs[:built] == everyone[0][:built] for theirs in everyone)
+        if built_alike:
             self._on_argument_mismatch()  # every rank calls it: it may compare more
-        raise _mismatch(name, difference)
+        raise _mismatch(name, difference, built_alike)
 
 
 def _all_known(everyone: list[list[Line]]) -> list[list[Line]]:
@@ -172,7 +173,7 @@ def _drifted(name: str, call: int, difference: Difference) -> ReplicaMismatchErr
     )
 
 
-def _mismatch(name: str, difference: Difference) -> ScheduleMismatchError:
+def _mismatch(name: str, difference: Difference, built_alike: bool) -> ScheduleMismatchError:
     if difference.label == "the request":
         return ScheduleMismatchError(
             f"{name}: rank {difference.rank} {difference.theirs} while rank 0 "
@@ -180,10 +181,10 @@ def _mismatch(name: str, difference: Difference) -> ScheduleMismatchError:
             "schedule() and graph() on every rank at the same point, or after a first call "
             "with these arguments (then they need no other rank)."
         )
-    if difference.label.startswith(("option", "the step")):
+    if not built_alike:  # the difference is in how the step was built
         return ScheduleMismatchError(
             f"{name}: ranks built the step differently: {difference}. Every rank must wrap "
-            "the same step function with the same data_parallel options."
+            "the same step function with the same options."
         )
     return ScheduleMismatchError(
         f"{name}: ranks were called with different arguments: {difference}. Every rank must "

@@ -434,6 +434,26 @@ class ReplicaGuard:
                 return True
         return False
 
+    def before_run(
+        self, compiled: Compiled, args: tuple, tensors: list[torch.Tensor], device: torch.device
+    ) -> None:
+        """The checks due before a traced call runs: on its program's first run, those of
+        :meth:`first_run`; on every run, :meth:`refuse_fed_back`."""
+        if compiled.varying_tensors is None:
+            compiled.varying_tensors = self.first_run(args, tensors, compiled, device)
+        self.refuse_fed_back(args)
+
+    def after_run(self, compiled: Compiled, args: tuple, out: Any, inputs: Inputs | None) -> None:
+        """After a traced call: its per-rank output leaves (learned after its program's first
+        run), to refuse them next time, and what every output is (:meth:`after_call`)."""
+        if compiled.varying_outputs is None:
+            assert compiled.varying_tensors is not None  # learned before the first run
+            compiled.varying_outputs = compiled.output_sources(
+                compiled.varying_tensors, tensor_paths(args)
+            )
+        self.remember(compiled.varying_outputs, out)
+        self.after_call(compiled, inputs, out)
+
     def compare_trees(self, args: tuple) -> None:
         """Raise :class:`ReplicaMismatchError` on every rank if the replicated arguments' trees
         differ (structure, shapes, dtypes, bits; a sharded layout's per-rank leaves by shape

@@ -8,6 +8,7 @@ import torch
 from torch import fx
 
 from fddp._base._annotations import AXIS_INDEX
+from fddp._base._names import qualified_name
 from fddp._compiler._graph import group_of, is_collective
 from fddp._ranks._agree import Line
 from fddp._ranks._digests import digests
@@ -93,7 +94,7 @@ def _arguments(node: fx.Node, reason: str | None) -> str:
 def _target(target: Any) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return str(target)
-    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', target)}"
+    return qualified_name(target)
 
 
 def _portable(value: Any, reason: str | None) -> str:
