@@ -184,10 +184,9 @@ def check_tensor_lr_in_step():
     return raised(lambda: [step(params, _batch(call)) for call in range(CALLS)])
 
 
-def check_replicated_tensor_of_many_elements():
-    """After two calls rank 1 changes the bias of 8 elements of the second layer (beyond the
-    eight-element limit of a per-call value check) and the first layer's 48-element weight."""
-    opt = optim.sgd(0.1)
+def _changed_on_rank_1(opt, at: int, change):
+    """CALLS calls of the user's step, where before call ``at`` rank 1 alone applies ``change``
+    to its (params, state), which returns them; what was raised."""
     model = _model()
     params, _ = fddp.state(model)
     pstep = fddp.data_parallel(_step(opt, model))
@@ -196,28 +195,30 @@ def check_replicated_tensor_of_many_elements():
     def calls():
         nonlocal params, state
         for call in range(CALLS):
-            if call == 2 and fddp.rank() == 1:
-                params = {**params, "0.weight": params["0.weight"] + 1e-3}
+            if call == at and fddp.rank() == 1:
+                params, state = change(params, state)
             params, state, _ = pstep(params, state, _batch(call))
 
     return raised(calls)
+
+
+def check_replicated_tensor_of_many_elements():
+    """After two calls rank 1 changes the first layer's 96-element weight (beyond the
+    eight-element limit the per-call value check had)."""
+
+    def changed(params, state):
+        return {**params, "0.weight": params["0.weight"] + 1e-3}, state
+
+    return _changed_on_rank_1(optim.sgd(0.1), 2, changed)
 
 
 def check_inject_hyperparams_changed():
+    def changed(params, state):
+        state.hyperparams["lr"] = torch.tensor(2e-2, dtype=torch.float64)
+        return params, state
+
     opt = optim.inject_hyperparams(optim.adamw)(lr=1e-2, weight_decay=0.01)
-    model = _model()
-    params, _ = fddp.state(model)
-    pstep = fddp.data_parallel(_step(opt, model))
-    state = opt.init(params)
-
-    def calls():
-        nonlocal params, state
-        for call in range(CALLS):
-            if call == 1 and fddp.rank() == 1:
-                state.hyperparams["lr"] = torch.tensor(2e-2, dtype=torch.float64)
-            params, state, _ = pstep(params, state, _batch(call))
-
-    return raised(calls)
+    return _changed_on_rank_1(opt, 1, changed)
 
 
 def check_eager_int_warmup():

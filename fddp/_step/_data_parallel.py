@@ -117,7 +117,8 @@ class DataParallelStep:
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         compiled = self._programs.get(signature) if self._options.trace else None
         device = _runtime.step_device(tensors)
-        inputs = self._replicas.inputs(signature, args, tensors, compiled, device)
+        eager = not self._options.trace
+        inputs = self._replicas.inputs(signature, args, tensors, compiled, device, eager=eager)
         check = self._calls.launch(
             signature, args, "called the step", lambda: self._replicas.compare_trees(args), inputs
         )

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from fddp._base._errors import ReplicaMismatchError
 from fddp._base._tree import leaves_with_paths
-from fddp._compiler._passes._replication import draws_random, generator_bit
+from fddp._compiler._passes._replication import drawn_bit, generator_bit
 from fddp._compiler._program import Compiled
 from fddp._ranks import _digests, _runtime
 from fddp._ranks._agree import Line, find_difference
@@ -78,14 +78,12 @@ def sources_of(compiled: Compiled, j: int) -> set[int]:
     return found
 
 
-def _draws(compiled: Compiled, anywhere: bool) -> bool:
-    """Whether the program draws from a random generator where a draw reaches an output
-    without a collective in between, or (``anywhere``) at all."""
+def _draws(compiled: Compiled, through_collectives: bool) -> bool:
+    """Whether a random draw of the program reaches an output without a collective in
+    between, or (``through_collectives``) at all."""
     program = compiled.program
-    bit = generator_bit(program.rank_bit)
-    if any(bits & bit for bits in program.output_dependencies):
-        return True
-    return anywhere and any(draws_random(node) for node in program.graph.graph.nodes)
+    bit = (drawn_bit if through_collectives else generator_bit)(program.rank_bit)
+    return any(bits & bit for bits in program.output_dependencies)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,8 +268,12 @@ class ReplicaGuard:
         tensors: list[torch.Tensor],
         compiled: Compiled | None,
         device: torch.device,
+        *,
+        eager: bool = False,
     ) -> Inputs | None:
-        """What this call brings to the agreement (None in a world of one). The replicated
+        """What this call brings to the agreement (None in a world of one; ``compiled``: the
+        program the call will run, None before its first compile or in an ``eager`` step,
+        which under the invariant mode brings the generator's state on every call). The replicated
         arguments' leaves, and what the replicated outputs fed back into them were computed
         from (learned on earlier calls of ``compiled``), each hashed unless it is the unchanged
         replicated output of a call (one hash per new tensor, none for a step's own state)."""
@@ -299,7 +301,7 @@ class ReplicaGuard:
         found = _digests.digests([tensors[i] for i in hashed_indices])
         hashed = dict(zip(hashed_indices, found))
         generator = None
-        if GENERATOR_SOURCE in needed or (self._generator and compiled is None):
+        if GENERATOR_SOURCE in needed or (self._generator and eager):
             generator = generator_state(device)
         return Inputs(layout, tensors, hashed, origins, generator)
 
@@ -403,9 +405,10 @@ class ReplicaGuard:
                     "turns this check off."
                 )
         if generator_varies and self._generator_matters(compiled, varying):
+            bits = int(_digests.digests(extra)[0, 0]) & (2**64 - 1)
+            named = find_difference([(GENERATOR, f"digest {bits:016x}")], self._group)
             raise ReplicaMismatchError(
-                f"{self._name}: {GENERATOR} differs between ranks, and the step's results "
-                "depend on its draws"
+                f"{self._name}: {named}, and the step's results depend on its draws"
                 + (
                     " (under the invariant mode, dropout is drawn from it: the results would "
                     "depend on the world size)"
