@@ -20,8 +20,8 @@ round starting with the next, a barrier before every call, the slowest rank's ti
   copies are made before the call).
 
 Prints the medians, the default's and the hashed step's cost over the opt-out in
-milliseconds and percent of the opt-out's step, and, measured inside the two checked steps,
-the agreement's own work per call (what the call's inputs are, their digests or origins, the
+milliseconds and percent of the opt-out's step, and, measured inside each step, the
+agreement's own work per call (what the call's inputs are, their digests or origins, the
 check's launch, the record of the outputs; the all-reduce it rides on existed before) as a
 share of the step (the difference of whole steps is within the noise of a shared machine),
 and writes the table to ``benchmarks/results/<UTC time>_agreement_cost.md`` with the load
@@ -167,8 +167,7 @@ def table(results: dict) -> str:
         *(f"{v} (ms)" for v in VARIANTS),
         "default - opt-out",
         "hashed - opt-out",
-        "agreement work, default",
-        "agreement work, hashed",
+        *(f"agreement work, {v}" for v in VARIANTS),
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for workload, found in results.items():
@@ -178,7 +177,7 @@ def table(results: dict) -> str:
         cells = [workload, f"{found['params']:,}", *(f"{ms[v]:.1f}" for v in VARIANTS)]
         for name in ("default", "hashed"):
             cells.append(f"{ms[name] - base:+.2f} ms ({100 * (ms[name] - base) / base:+.1f} %)")
-        for name in ("default", "hashed"):
+        for name in VARIANTS:
             work = statistics.median(pair[1] for pair in found["seconds"][name]) * 1e3
             cells.append(f"{work:.2f} ms ({100 * work / ms[name]:.2f} %)")
         lines.append("| " + " | ".join(cells) + " |")
