@@ -115,10 +115,12 @@ def layout_of(args: tuple, argnums: tuple[int, ...]) -> Layout:
 def _describe(t: torch.Tensor, digest: torch.Tensor) -> str:
     """A tensor as a line's value: small ones by their values, others by a digest of their
     bits."""
-    kind = f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
+    bits = f"digest {int(digest[0]) & (2**64 - 1):016x}"
     if t.numel() <= _SHOWN_NUMEL:
-        return f"{t.tolist()!r}" if t.dim() else f"{t.item()!r}"
-    return f"{kind} with digest {int(digest[0]) & (2**64 - 1):016x}"
+        text = f"{t.tolist()!r}" if t.dim() else f"{t.item()!r}"
+        nan = t.is_floating_point() and bool(torch.isnan(t).any())
+        return f"{text} with {bits}" if nan else text  # NaNs of other bits print alike
+    return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)} with {bits}"
 
 
 @dataclasses.dataclass
