@@ -130,7 +130,7 @@ class DataParallelStep:
             check.settle()  # before the collectives of a compile or of a first call
         if compiled is None:
             signature, compiled = self._compile(signature, args)
-        self._replicas.before_run(compiled, args, tensors, device)
+        self._replicas.before_run(compiled, args, tensors, device, inputs)
         with _timeline.step_range() if self._profiling else contextlib.nullcontext():
             out = compiled.run(args, tensors, check.settle, self._axes(traced=True))
         self._replicas.after_run(compiled, args, out, inputs)

@@ -223,7 +223,11 @@ class _Facts:
     def outputs(self, compiled: Compiled, out: Any) -> tuple[list[frozenset[int]], list[str]]:
         if self.sources is None or self.paths is None:
             count = len(compiled.captured.outputs or ())
-            self.sources = [frozenset(sources_of(compiled, j)) for j in range(count)]
+            interned: dict[frozenset[int], frozenset[int]] = {}
+            self.sources = []
+            for j in range(count):
+                found = frozenset(sources_of(compiled, j))
+                self.sources.append(interned.setdefault(found, found))
             self.paths = readable_paths(out)
         return self.sources, self.paths
 
@@ -322,17 +326,21 @@ class ReplicaGuard:
             return needed
         todo = [*layout.replicated, *(i for i in needed if i >= 0)]
         seen = set(todo)
+        merged: set[int] = set()  # the source sets taken in (a foreach update's outputs share one)
         while todo:
             i = todo.pop()
             known = self._known.get(id(tensors[i])) if 0 <= i < len(tensors) else None
             if known is None or known.ref() is not tensors[i] or known.call != self._calls:
                 continue
-            for source in facts.sources[known.output]:
-                if source not in seen:
-                    seen.add(source)
-                    needed.add(source)
-                    if source >= 0:
-                        todo.append(source)
+            sources = facts.sources[known.output]
+            if id(sources) in merged:
+                continue
+            merged.add(id(sources))
+            for source in sources - seen:
+                seen.add(source)
+                needed.add(source)
+                if source >= 0:
+                    todo.append(source)
         return needed
 
     def _facts_of(self, compiled: Compiled) -> _Facts:
@@ -364,10 +372,16 @@ class ReplicaGuard:
         else:
             sources, paths = self._facts_of(compiled).outputs(compiled, out)
         ids = []
+        within: dict[int, bool] = {}  # per distinct source set, whether this call checked it
         for j, leaf in enumerate(optree.tree_leaves(out)):
             if not isinstance(leaf, torch.Tensor):
                 continue
-            replicated = sources is not None and j not in varying and sources[j] <= checked  # type: ignore[operator]
+            replicated = False
+            if sources is not None and j not in varying:  # type: ignore[operator]
+                found = within.get(id(sources[j]))
+                if found is None:
+                    found = within[id(sources[j])] = sources[j] <= checked
+                replicated = found
             self._known[id(leaf)] = Returned(
                 weakref.ref(leaf), j, call, replicated, leaf._version, paths
             )
@@ -384,16 +398,29 @@ class ReplicaGuard:
                     del self._known[k]
 
     def first_run(
-        self, args: tuple, tensors: list[torch.Tensor], compiled: Compiled, device: torch.device
+        self,
+        args: tuple,
+        tensors: list[torch.Tensor],
+        compiled: Compiled,
+        device: torch.device,
+        hashed: dict[int, torch.Tensor] | None = None,
     ) -> list[bool]:
         """Before a traced signature's first run: which tensor arguments differ between ranks
         (one small all-gather of digests, the random generator's state with them where the
         program draws from it); the replicated arguments must not, nor the generator where a
-        random draw reaches an output that is otherwise the same on every rank."""
+        random draw reaches an output that is otherwise the same on every rank. ``hashed``:
+        digests the call already has (its :class:`Inputs`), not computed again."""
         if not self._several_ranks():
             return [False] * len(tensors)
         extra = [generator_state(device)] if _draws(compiled, self._generator) else []
-        varying = _digests.varying([*tensors, *extra], self._group)
+        sources = [*tensors, *extra]
+        hashed = hashed or {}
+        rest = [i for i in range(len(sources)) if i not in hashed]
+        known = torch.zeros(len(sources), 2, dtype=torch.int64)
+        if hashed:
+            known[list(hashed)] = torch.stack(list(hashed.values()))
+        known[rest] = _digests.digests([sources[i] for i in rest])
+        varying = _digests.varying(sources, self._group, known)
         generator_varies = bool(extra) and varying.pop()
         layout = layout_of(args, self._argnums)
         paths = layout.paths
@@ -440,12 +467,18 @@ class ReplicaGuard:
         return False
 
     def before_run(
-        self, compiled: Compiled, args: tuple, tensors: list[torch.Tensor], device: torch.device
+        self,
+        compiled: Compiled,
+        args: tuple,
+        tensors: list[torch.Tensor],
+        device: torch.device,
+        inputs: Inputs | None,
     ) -> None:
         """The checks due before a traced call runs: on its program's first run, those of
         :meth:`first_run`; on every run, :meth:`refuse_fed_back`."""
         if compiled.varying_tensors is None:
-            compiled.varying_tensors = self.first_run(args, tensors, compiled, device)
+            hashed = None if inputs is None else inputs.hashed
+            compiled.varying_tensors = self.first_run(args, tensors, compiled, device, hashed)
         self.refuse_fed_back(args)
 
     def after_run(self, compiled: Compiled, args: tuple, out: Any, inputs: Inputs | None) -> None:
