@@ -83,6 +83,7 @@ class Generations:
         self._backend, self._timeout = backend, timeout
         self._min_world_size, self._on_leave = min_world_size, on_leave
         self._lossless = 0  # regroups in a row in which nobody was lost
+        self.recoveries: list[Recovery] = []
 
     def take_admission(self, progress: Progress) -> None:
         """A replacement: wait until the members admit it, and take its place among them."""
@@ -124,11 +125,11 @@ class Generations:
 
     def recover(
         self, error: BaseException, progress: Progress, params: Any, opt_state: Any
-    ) -> tuple[bool, Any, Any, Recovery]:
+    ) -> tuple[bool, Any, Any]:
         """Agree on the survivors, form the next generation's group and bring every member to
-        the newest committed state; a failure meanwhile regroups again. Returns whether this
-        call's step is still to run (False: the others had committed it; its result is in
-        ``progress.result``), the state to run it from, and the record of it."""
+        the newest committed state; a failure meanwhile regroups again (one record in
+        ``recoveries``). Returns whether this call's step is still to run (False: the others
+        had committed it; its result is in ``progress.result``) and the state to run it from."""
         start, cause, lost = time.monotonic(), _first_line(error), []
         m = self.membership
         while True:
@@ -158,7 +159,8 @@ class Generations:
             len(m.members),
             seconds,
         )
-        return redo, params, opt_state, record
+        self.recoveries.append(record)
+        return redo, params, opt_state
 
     def _check(self, roster: dict[int, int], lost: list[int], error: BaseException) -> None:
         """Refuse to go on with a group that cannot hold the job (the same verdict everywhere)."""

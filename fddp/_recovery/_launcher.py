@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import signal
 import subprocess
@@ -177,9 +178,7 @@ class Job:
     def _poll(self) -> None:
         live = [w for w in self._workers if w.code is None]
         for w in live:
-            if not w.admitted and self._ask(
-                lambda w=w: self._store.check([admitted_key(PREFIX, w.uid)]), False
-            ):
+            if not w.admitted and self._ask(functools.partial(self._admitted, w.uid), False):
                 w.admitted = True
                 self._ask(lambda: self._store.add(f"{_KEYS}/members", 1), 0)
         for w in live:
@@ -202,6 +201,9 @@ class Job:
                 if w.code is None and not w.admitted:
                     w.stopped = True
                     w.context.close(signal.SIGTERM, timeout=_STOP_S)
+
+    def _admitted(self, uid: int) -> bool:
+        return self._store.check([admitted_key(PREFIX, uid)])
 
     def _job_over(self) -> bool:
         """Training finished somewhere, or no member is left anywhere (or the store is lost

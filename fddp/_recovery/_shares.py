@@ -14,17 +14,18 @@ from fddp._batches import shard
 from fddp._collectives._ops import pmean, psum
 from fddp._func._accumulate import accumulate_gradients
 from fddp._func._grad import value_and_grad
-from fddp._optim._transforms import apply_updates
+from fddp._optim._update import apply_updates
 
 
 def micro_rows(batch: Any, micro_batches: int) -> int:
     """The rows of one of the ``micro_batches`` equal micro-batches of the global ``batch``."""
-    leaves = optree.tree_leaves(batch)
-    rows = {x.shape[0] if x.dim() else "0-d" for x in leaves if isinstance(x, torch.Tensor)}
-    if len(rows) != 1 or "0-d" in rows:
+    tensors = [x for x in optree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
+    rows = {x.shape[0] for x in tensors if x.dim()}
+    if len(rows) != 1 or any(x.dim() == 0 for x in tensors):
+        found = sorted(rows) + (["0-d"] if any(x.dim() == 0 for x in tensors) else [])
         raise ValueError(
             "recoverable: every tensor of the global batch needs the same leading (row) "
-            f"dimension to be cut into micro-batches; found {sorted(rows, key=str) or 'none'}."
+            f"dimension to be cut into micro-batches; found {found or 'none'}."
         )
     (total,) = rows
     if total % micro_batches:

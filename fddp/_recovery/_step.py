@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from fddp._base._axes import DEFAULT_AXIS
 from fddp._base._types import GradientTransformation
 from fddp._func import _invariant
-from fddp._lowcomm._low_comm import describe
 from fddp._recovery import _environment
 from fddp._recovery._admission import Admissions
 from fddp._recovery._checks import check_options, refuse_unrecoverable
@@ -19,9 +18,29 @@ from fddp._recovery._generations import Generations, Progress, Recovery, is_fail
 from fddp._recovery._membership import Membership
 from fddp._recovery._shares import member_step, micro_rows, share
 from fddp._recovery._undo import UndoLog
-from fddp._step._data_parallel import DataParallelStep, _backend, _data_parallel
+from fddp._step import _options
+from fddp._step._data_parallel import DataParallelStep
+from fddp._step._options import StepOptions, as_line, by_name
 
 __all__ = ["RecoverableStep", "Recovery", "recoverable"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Built:
+    """How a recoverable step was built: the ``transform`` of its data-parallel steps'
+    options, compared across ranks on every call."""
+
+    LABEL: ClassVar[str] = "recoverable"
+
+    loss_fn: Callable[..., Any] = dataclasses.field(metadata=by_name("recoverable loss_fn"))
+    micro_batches: int
+    donate: bool
+    invariant: bool
+    admit_every: int
+    settle: float = dataclasses.field(metadata=as_line())
+    optimizer: GradientTransformation
+    min_world_size: int
+    weighted: bool = False
 
 
 class RecoverableStep:
@@ -58,19 +77,24 @@ class RecoverableStep:
         self._micro_batches = micro_batches
         self._donate = donate
         self._invariant = invariant
-        self._dp_options = dict(
-            bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb, compile=compile
+        built = _Built(
+            loss_fn,
+            micro_batches,
+            donate,
+            invariant,
+            admit_every,
+            settle,
+            optimizer,
+            min_world_size,
         )
-        self._described = [
-            ("recoverable loss_fn", _qualified_name(loss_fn)),
-            ("recoverable micro_batches", repr(micro_batches)),
-            ("recoverable donate", repr(donate)),
-            ("recoverable invariant", repr(invariant)),
-            ("recoverable admit_every", repr(admit_every)),
-            ("recoverable settle", repr(settle)),
-            *describe(optimizer, "recoverable optimizer"),
-        ]
-        self.recoveries: list[Recovery] = []
+        self._step_options = StepOptions(
+            transform=built,
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_cap_mb=first_bucket_cap_mb,
+            compile=_options.backend(compile),
+            donate_argnums=(0, 1) if donate else (),
+            cache_size=4,
+        )
         self._steps: dict[tuple[bool, int], DataParallelStep] = {}
         self._undo = UndoLog(donate)
         self._progress = Progress()
@@ -120,6 +144,11 @@ class RecoverableStep:
         return self._progress.step
 
     @property
+    def recoveries(self) -> list[Recovery]:
+        """One :class:`Recovery` per recovery, in order."""
+        return self._group.recoveries
+
+    @property
     def recovered_steps(self) -> tuple[int, ...]:
         """The steps whose first attempt failed and that were redone by the survivors."""
         return tuple(r.step for r in self.recoveries)
@@ -134,7 +163,7 @@ class RecoverableStep:
         refuse_unrecoverable(opt_state)
         if self._pending is not None:
             error, self._pending = self._pending, None
-            params, opt_state = self._recover(error, params, opt_state)[1:]
+            params, opt_state = self._group.recover(error, self._progress, params, opt_state)[1:]
         params, opt_state = self._group.admit(self._progress, params, opt_state)
         while True:
             self._undo.keep(params, opt_state)
@@ -144,7 +173,9 @@ class RecoverableStep:
                 if not is_failure(error):
                     raise
                 self._undo.restore(params, opt_state)
-                redo, params, opt_state = self._recover(error, params, opt_state)
+                redo, params, opt_state = self._group.recover(
+                    error, self._progress, params, opt_state
+                )
                 if redo:
                     continue
                 assert self._progress.result is not None
@@ -153,13 +184,6 @@ class RecoverableStep:
             self._progress.loss = out[2]
             self._group.committed()
             return out
-
-    def _recover(self, error: RuntimeError, params: Any, opt_state: Any) -> tuple[bool, Any, Any]:
-        redo, params, opt_state, record = self._group.recover(
-            error, self._progress, params, opt_state
-        )
-        self.recoveries.append(record)
-        return redo, params, opt_state
 
     def _attempt(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, torch.Tensor]:
         local, weights = share(batch, self._micro_batches, len(self.members))
@@ -180,27 +204,13 @@ class RecoverableStep:
             step_fn = member_step(
                 self._loss_fn, self._optimizer, k, self._micro_batches, weighted, self._invariant
             )
-            self._steps[weighted, micro_rows] = _data_parallel(
-                step_fn,
-                axis_name=DEFAULT_AXIS,
-                donate_argnums=(0, 1) if self._donate else (),
-                comm_dtype=None,
-                group=None,
-                axes=None,
-                trace=True,
-                check_replicas=True,
-                cache_size=4,
-                overlap_steps=False,
-                invariant=micro_rows if self._invariant else None,
-                built_with=[*self._described, ("recoverable weighted", repr(weighted))],
-                **self._dp_options,  # type: ignore[arg-type]
+            options = dataclasses.replace(
+                self._step_options,
+                transform=dataclasses.replace(self._step_options.transform, weighted=weighted),
+                invariant=_invariant.checked(micro_rows) if self._invariant else None,
             )
+            self._steps[weighted, micro_rows] = DataParallelStep(step_fn, options)
         return self._steps[weighted, micro_rows]
-
-
-def _qualified_name(fn: Callable[..., Any]) -> str:
-    fn = getattr(fn, "func", fn)
-    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 def recoverable(
@@ -312,6 +322,7 @@ def recoverable(
     >>> w
     tensor([0.6000, 0.6000])
     >>> rstep.close()
+    >>> fddp.init()  # a world of one again, for what runs next in this process
     """
     if dist.is_initialized():
         raise ValueError(
@@ -359,7 +370,7 @@ def recoverable(
         admit_every=admit_every,
     )
     if invariant:
-        _invariant.check_backend(_backend(compile))
+        _invariant.check_backend(_options.backend(compile))
     return RecoverableStep(
         loss_fn,
         optimizer,
