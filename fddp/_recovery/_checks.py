@@ -22,6 +22,7 @@ def check_options(
     join: bool,
     timeout: float,
     settle: float,
+    compile_timeout: float,
     admit_every: int,
 ) -> None:
     """Refuse, before a group is formed, options that fail now or at a later shrink."""
@@ -37,8 +38,10 @@ def check_options(
             f"recoverable: min_world_size={min_world_size!r} must be an int in "
             f"[1, world_size={world_size}]: the fewest members the job goes on with."
         )
-    if timeout <= 0 or settle <= 0:
-        raise ValueError("recoverable: timeout and settle must be positive (seconds).")
+    if timeout <= 0 or settle <= 0 or compile_timeout <= 0:
+        raise ValueError(
+            "recoverable: timeout, settle and compile_timeout must be positive (seconds)."
+        )
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
         raise TypeError(
             f"recoverable: optimizer is a {type(optimizer).__name__}; pass an fddp.optim "

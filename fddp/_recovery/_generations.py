@@ -76,11 +76,13 @@ class Generations:
         *,
         backend: str,
         timeout: float,
+        compile_timeout: float,
         min_world_size: int,
         on_leave: Callable[[], None],
     ) -> None:
         self.membership, self.admissions = membership, admissions
-        self._backend, self._timeout = backend, timeout
+        self._backend, self._timeout, self._compile_timeout = backend, timeout, compile_timeout
+        self._compiling = False  # the first step of this generation has not committed yet
         self._min_world_size, self._on_leave = min_world_size, on_leave
         self._lossless = 0  # regroups in a row in which nobody was lost
         self.recoveries: list[Recovery] = []
@@ -93,17 +95,27 @@ class Generations:
         self.admissions.taken, self.admissions.capacity = admission.taken, admission.capacity
         progress.step, progress.receiving = admission.step, True
 
-    def form(self) -> None:
-        m = self.membership
-        _group.form(m.store, m.prefix, m.generation, m.members, m.uid, self._backend, self._timeout)
+    def form(self, *, starting: bool = False) -> None:
+        """Form this generation's group: within ``timeout`` (``compile_timeout`` when the job
+        is ``starting``: its processes start at their own pace). Its first step traces and
+        compiles the step for the new group (a replacement from cold, while the members
+        compile warm): until it commits, a collective waits ``compile_timeout`` for a peer."""
+        m, slow = self.membership, self._compile_timeout
+        forming = slow if starting else self._timeout
+        _group.form(m.store, m.prefix, m.generation, m.members, m.uid, self._backend, forming, slow)
+        self._compiling = True
 
     def leave(self) -> None:
         self._on_leave()
         _group.abandon()
 
     def committed(self) -> None:
-        """A step committed: the next lossless regroup is the first in a row."""
+        """A step committed: the next lossless regroup is the first in a row, and after this
+        generation's first step a peer is waited for ``timeout`` only."""
         self._lossless = 0
+        if self._compiling:
+            _group.set_timeout(self._timeout)
+            self._compiling = False
 
     def admit(self, progress: Progress, params: Any, opt_state: Any) -> tuple[Any, Any]:
         """Before a step: form the next generation with the replacements due now, and hand the

@@ -18,10 +18,12 @@ def form(
     uid: int,
     backend: str,
     timeout: float,
+    compile_timeout: float,
 ) -> None:
     """Join generation ``generation``'s default group (``members`` in rank order) under the
     store prefix ``{prefix}/g{generation}/pg``: a fresh prefix, so that no address a member of
-    an earlier generation published is read again."""
+    an earlier generation published is read again. Forming it waits ``timeout`` for the
+    members; its collectives then wait ``compile_timeout`` until :func:`set_timeout`."""
     dist.init_process_group(
         backend,
         store=dist.PrefixStore(f"{prefix}/g{generation}/pg", store),
@@ -30,6 +32,15 @@ def form(
         timeout=datetime.timedelta(seconds=timeout),
     )
     _runtime.ensure_group()
+    set_timeout(compile_timeout)
+
+
+def set_timeout(seconds: float) -> None:
+    """How long the default group's collectives wait for a peer from now on (kept where this
+    torch cannot change it)."""
+    set_pg_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_pg_timeout is not None:
+        set_pg_timeout(datetime.timedelta(seconds=seconds))
 
 
 def abandon() -> None:

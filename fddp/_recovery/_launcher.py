@@ -99,7 +99,6 @@ class Job:
         self._max_replacements = max_replacements
         self._workers: list[_Worker] = []
         self._finished = False  # a worker (of any node) exited 0: training is done
-        self._failed_after = False  # a worker of this node failed after that
         self._store_lost = False
 
     def run(self) -> int:
@@ -140,7 +139,7 @@ class Job:
                 context.close()  # its processes are gone: this prints the rest of their output
             rendezvous.shutdown()
         _say("training finished" if self._finished else "no worker finished training")
-        return 0 if self._finished and not self._failed_after else 1
+        return 0 if self._finished else 1
 
     def _start(self, workers: list[tuple[int, int]], attempt: int) -> None:
         """Start workers ``(id, local rank)`` (replacements when ``attempt`` > 0)."""
@@ -192,7 +191,6 @@ class Job:
                 self._finished = True
                 self._ask(lambda: self._store.set(f"{_KEYS}/finished", "1"), None)
                 continue
-            self._failed_after |= self._finished and not w.stopped
             _say(f"rank {w.uid} (pid {w.process.pid}) {_ended(code)}")
             if not self._finished:
                 self._replace(w)

@@ -71,6 +71,7 @@ class RecoverableStep:
         invariant: bool = False,
         admit_every: int = 8,
         min_world_size: int = 1,
+        compile_timeout: float = 300.0,
     ) -> None:
         self._loss_fn = loss_fn
         self._optimizer = optimizer
@@ -106,6 +107,7 @@ class RecoverableStep:
             Admissions(store, prefix, admit_every, capacity=world_size),
             backend=backend,
             timeout=timeout,
+            compile_timeout=max(compile_timeout, timeout),
             min_world_size=min_world_size,
             on_leave=self._steps.clear,  # the old group's steps, and through them its groups
         )
@@ -117,7 +119,7 @@ class RecoverableStep:
             self._group.take_admission(self._progress)
         self._pending: RuntimeError | None = None  # a failure while forming, recovered on call
         try:
-            self._group.form()
+            self._group.form(starting=not join)
         except RuntimeError as error:
             if not is_failure(error):
                 raise
@@ -233,6 +235,7 @@ def recoverable(
     invariant: bool = False,
     admit_every: int = 8,
     min_world_size: int = 1,
+    compile_timeout: float = 300.0,
 ) -> RecoverableStep:
     """A data-parallel training step that keeps training when a rank dies, hangs or straggles.
 
@@ -279,7 +282,8 @@ def recoverable(
             launcher's; a world of one without a launcher).
         rank: this process's id, fixed for the run (its rank in the first generation).
         world_size: the first generation's size, and the largest the group grows back to.
-        timeout: seconds a collective waits for a peer before the peer counts as stuck.
+        timeout: seconds a collective waits for a peer before the peer counts as stuck (from
+            the first committed step of each generation on; see ``compile_timeout``).
         settle: seconds without a heartbeat after which a member that has not registered
             counts as gone, and the grace a straggler has after the others timed out (each
             member beats every ``settle / 8`` seconds, from a thread).
@@ -306,6 +310,11 @@ def recoverable(
             is smaller than ``world_size``.
         min_world_size: the fewest members the job goes on with: a failure that leaves fewer
             ends it with a ``RankFailureError`` on every survivor.
+        compile_timeout: seconds a collective waits for a peer during the first step of each
+            generation (the start, each regroup, each admission), which traces and compiles
+            the step for the new group: a replacement compiles cold while the members compile
+            warm, and they wait for it. A dead peer is still seen at once. At the start, also
+            how long the first group waits for every process to arrive.
 
     Returns:
         A :class:`RecoverableStep`, with ``generation``, ``members``, ``step`` (committed
@@ -367,6 +376,7 @@ def recoverable(
         join=join,
         timeout=timeout,
         settle=settle,
+        compile_timeout=compile_timeout,
         admit_every=admit_every,
     )
     if invariant:
@@ -390,4 +400,5 @@ def recoverable(
         invariant=invariant,
         admit_every=admit_every,
         min_world_size=min_world_size,
+        compile_timeout=compile_timeout,
     )

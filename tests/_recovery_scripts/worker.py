@@ -171,6 +171,7 @@ def main() -> None:
         **placement,
         micro_batches=micro_batches,
         timeout=float(os.environ.get("FDDP_TEST_TIMEOUT", "3")),
+        compile_timeout=60.0,  # the first step of each generation (a test waits no longer)
         settle=float(os.environ.get("FDDP_TEST_SETTLE", "1.0")),
         bucket_cap_mb=1e-4,
         first_bucket_cap_mb=1e-4,
