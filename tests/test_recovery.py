@@ -377,6 +377,34 @@ def test_rejects_bad_options_before_forming_a_group(no_default_group):
             invariant=True,
             compile=True,
         )
+    # invariant mode on 3 members that may shrink to 2 or 1: 9 micro-batches do not split over 2
+    shrinks = r"micro_batches=9 does not split evenly over 2 members.*any of 3, 2 or 1 members"
+    with pytest.raises(ValueError, match=shrinks):
+        fddp.recoverable(
+            lambda p, b: p, opt, store=store, rank=0, world_size=3, micro_batches=9, invariant=True
+        )
+    with pytest.raises(ValueError, match="min_world_size=4 must be an int in"):
+        fddp.recoverable(
+            lambda p, b: p,
+            opt,
+            store=store,
+            rank=0,
+            world_size=3,
+            micro_batches=9,
+            min_world_size=4,
+        )
+    assert not dist.is_initialized()
+
+
+def test_refuses_torchrun_and_names_the_launcher(no_default_group, monkeypatch):
+    import fddp
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")  # what torchrun's agent sets
+    monkeypatch.delenv("FDDP_RUN", raising=False)
+    with pytest.raises(ValueError, match=r"python -m fddp\.run"):
+        fddp.recoverable(lambda p, b: p, fddp.optim.sgd(0.1), micro_batches=1)
+    with pytest.raises(SystemExit):  # fddp.run replaces workers; it does not restart them
+        fddp.run.main(["--max-restarts", "1", "train.py"])
     assert not dist.is_initialized()
 
 
