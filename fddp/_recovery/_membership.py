@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 
@@ -42,6 +43,9 @@ class Membership:
             daemon=True,
         )
         self._beat.start()
+        # stopped before the interpreter is torn down: a daemon thread still inside a store
+        # call then would find its C++ store destroyed under it (the process aborts)
+        atexit.register(self.stop)
 
     def advance(self, members: tuple[int, ...]) -> None:
         """Go on to the next generation, with ``members``."""
