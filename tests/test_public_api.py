@@ -51,6 +51,7 @@ PUBLIC = {
     "remat",
     "remat_name",
     "remat_policies",
+    "run",
     "replicate",
     "save",
     "save_sharded",
