@@ -1,6 +1,6 @@
 """fddp: JAX-style functional data parallelism on PyTorch."""
 
-from fddp import data, nn, optim, remat_policies, run
+from fddp import data, nn, optim, remat_policies
 from fddp._base._errors import (
     CaptureError,
     PrintWhileTracingWarning,
@@ -93,7 +93,6 @@ __all__ = [  # in the order the reference page shows them
     "nn",
     "optim",
     "remat_policies",
-    "run",
     # errors and warnings
     "CaptureError",
     "PrintWhileTracingWarning",

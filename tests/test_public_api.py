@@ -51,7 +51,6 @@ PUBLIC = {
     "remat",
     "remat_name",
     "remat_policies",
-    "run",
     "replicate",
     "save",
     "save_sharded",

@@ -45,6 +45,15 @@ class LowCommState(NamedTuple):
     opt_state: tuple
     pending: tuple
 
+    def lost_with_its_rank(self) -> str:
+        """Why no survivor can rebuild this state when its rank dies (``fddp.recoverable``)."""
+        return (
+            "the state is a low-communication step's (fddp.diloco / fddp.local_sgd): between "
+            "outer syncs each rank's parameters and inner optimizer state are its own and die "
+            "with it, and recoverable re-slices one global batch per synchronous step. Restart "
+            "DiLoCo from a checkpoint taken after an outer sync instead."
+        )
+
     def saved_with_per_rank_values(self) -> bool:  # fddp.save(rank0_only=True) then checks
         return True  # that they are the same everywhere (inner parameters differ between syncs)
 

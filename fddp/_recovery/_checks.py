@@ -8,8 +8,6 @@ from typing import Any
 import optree
 
 from fddp._base._types import GradientTransformation
-from fddp._lowcomm._low_comm import LowCommState
-from fddp._sharding import ShardedState
 
 
 def check_options(
@@ -73,23 +71,13 @@ def _sizes(sizes: Any) -> str:
 
 
 def refuse_unrecoverable(opt_state: Any) -> None:
-    """State that lives on one rank only cannot be recovered from the survivors."""
-    kinds = (ShardedState, LowCommState)
-    nodes = optree.tree_flatten(opt_state, is_leaf=lambda x: isinstance(x, kinds))[0]
+    """State that lives on one rank only cannot be recovered from the survivors: its type says
+    so, and why, with a ``lost_with_its_rank()`` method."""
+    nodes = optree.tree_flatten(opt_state, is_leaf=_lost_with_its_rank)[0]
     for node in [opt_state, *nodes]:
-        if isinstance(node, ShardedState):
-            raise ValueError(
-                "recoverable: the optimizer state is sharded (fddp.optim.shard_state): each "
-                "rank holds the only copy of its 1/N of the moments, which dies with the rank. "
-                "Use a replicated optimizer (e.g. fddp.optim.adamw) with recoverable, or keep "
-                "shard_state and restart from fddp.save_sharded checkpoints (docs/guides/"
-                "restarts-deep-models.md)."
-            )
-        if isinstance(node, LowCommState):
-            raise ValueError(
-                "recoverable: the state is a low-communication step's (fddp.diloco / "
-                "fddp.local_sgd): between outer syncs each rank's parameters and inner "
-                "optimizer state are its own and die with it, and recoverable re-slices one "
-                "global batch per synchronous step. Restart DiLoCo from a checkpoint taken "
-                "after an outer sync instead."
-            )
+        if _lost_with_its_rank(node):
+            raise ValueError(f"recoverable: {node.lost_with_its_rank()}")
+
+
+def _lost_with_its_rank(node: Any) -> bool:
+    return callable(getattr(node, "lost_with_its_rank", None))
