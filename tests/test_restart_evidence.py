@@ -23,7 +23,7 @@ from _dist import Job, script_env
 
 LOADED = "loaded from cache"
 
-_SCRIPT = r'''
+_SCRIPT = r"""
 import importlib, json, random, sys
 project, site, cache = sys.argv[1:4]
 sys.path[:0] = [project]
@@ -97,7 +97,7 @@ for case, step in STEPS.items():
         "eager": step(w, x).tolist(),
     }
 print(json.dumps(results))
-'''
+"""
 
 
 def _write_project(root: Path, site: Path, c: float) -> None:
