@@ -434,7 +434,9 @@ def test_launched_two_kills_in_one_regroup_then_two_replacements(launched):
     assert sorted(results["kills"]) == [0, 3, 4], logs["kills"]
     first = results["kills"][0]
     assert (first["recovered_steps"], first["lost"]) == ((1,), [(1, 2)]), logs["kills"]
-    assert first["generation"] == 3  # the regroup without 1, again without 2, the admission
+    # the regroup without 1, again without 2, then one admission of both replacements or one
+    # each, as their registrations fall on the same admission poll or on two
+    assert first["generation"] in (3, 4)
     assert set(first["members"]) == {0, 3, 4}
     _assert_like_exact(results, "kills", first["members"])
 
