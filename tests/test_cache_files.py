@@ -21,6 +21,7 @@ from _models import mlp_step, regression_batch
 
 import fddp
 import fddp.optim as optim
+from fddp._compiler._cache import _store
 
 SIZES = (8, 16, 4)
 LOADED = "loaded from cache"
@@ -71,7 +72,7 @@ def _no_warning_from_fddp(fn, *args):
 def test_a_key_file_others_can_read_or_write_is_refused(cache, monkeypatch, mode):
     expected = _reference(monkeypatch)
     _train()
-    key = cache / "fddp-v1" / ".key"
+    key = cache / f"fddp-v{_store.FORMAT}" / ".key"
     os.chmod(key, mode)
     with pytest.warns(UserWarning, match=r"key file .* read or written by others"):
         out, how = _train()
@@ -82,7 +83,7 @@ def test_a_key_file_others_can_read_or_write_is_refused(cache, monkeypatch, mode
 def test_an_emptied_key_file_is_refused(cache, monkeypatch):
     expected = _reference(monkeypatch, rows=6)
     _train()
-    key = cache / "fddp-v1" / ".key"
+    key = cache / f"fddp-v{_store.FORMAT}" / ".key"
     key.write_bytes(b"")
     before = _programs(cache)
     with pytest.warns(UserWarning, match=r"key file .* holds 0 bytes, not 32"):

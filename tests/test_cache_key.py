@@ -1,9 +1,10 @@
-"""What the persistent program cache's key covers: code a step reaches through a submodule
-attribute (``pkg.sub.f``) or an import in its body, installed libraries by their version, an Enum
-member's value and a numpy array's bytes. Each test compiles a step, changes what it reaches as
-a restarted process would see it (modules imported afresh from edited files), and checks that a
-new step object compiles afresh and computes what the changed step computes eagerly, not the
-cached program's old numbers.
+"""The persistent program cache is keyed by the captured program: code a step reaches through
+a submodule attribute (``pkg.sub.f``) or an import in its body, an installed library upgraded,
+an Enum member's value, a numpy array's bytes and a generator's seed all change what the trace
+records. Each test compiles a step, changes what it reaches as a restarted process would see it
+(modules imported afresh from edited files), and checks that a new step object compiles afresh
+and computes what the changed step computes eagerly, not the cached program's old numbers; the
+same program captured again is loaded.
 """
 
 from __future__ import annotations
@@ -248,13 +249,15 @@ def test_an_upgraded_installed_library(tmp_path, dist):
     upgraded = run()
     assert upgraded["how"] == "make_fx"
     assert upgraded["out"] == upgraded["eager"] != first["out"]
-    _install(site, dist, "2.1", 3.0)  # the version alone
-    assert run()["how"] == "make_fx"
+    _install(site, dist, "2.1", 3.0)  # the version alone: the same captured program
+    again = run()
+    assert again["how"].endswith(LOADED)
+    assert again["out"] == again["eager"] == upgraded["out"]
 
 
-def test_a_step_reaching_state_it_cannot_read_is_compiled_in_memory(cache, monkeypatch):
-    """A generator's state is C state, not in the key: the step is not cached (one warning)."""
-    monkeypatch.setattr(fddp._compiler._cache._persistent, "_said", set(), raising=False)
+def test_state_no_reading_of_source_sees_is_in_the_captured_program(cache):
+    """A generator's seed, read while the step is traced, is a number in the captured graph:
+    another seed is another program, and the same seed loads the first one."""
     generator = torch.Generator()
 
     def step(w, x):
@@ -263,15 +266,13 @@ def test_a_step_reaching_state_it_cannot_read_is_compiled_in_memory(cache, monke
         return w - 0.01 * fddp.pmean(g)
 
     generator.manual_seed(2)
-    with pytest.warns(UserWarning, match=r"step\.__closure__\[0\] is a Generator"):
-        before, how = _run(step)
-    assert how == "make_fx"
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # said once
-        assert _run(step)[1] == "make_fx"
+        warnings.simplefilter("error")
+        before, how = _run(step)
+        assert how == "make_fx"
+        assert _run(step)[1].endswith(LOADED)
         generator.manual_seed(3)
         out, how = _run(step)
     assert how == "make_fx"
     assert_trees_equal(out, step(W, X))
     assert not torch.equal(out, before)
-    assert list(cache.rglob("*.program")) == []

@@ -1,5 +1,6 @@
 """What a newcomer sees when data_parallel cannot capture a step: the cause first, then the fix."""
 
+import random
 import warnings
 
 import pytest
@@ -175,3 +176,48 @@ def test_a_wrong_keyword_to_forward_is_named_first():
     first, where = _first_lines(info.value, 2)
     assert first.startswith("TypeError: ") and "'return_buffers'" in first, first
     assert f"{__file__}:" in where, where
+
+
+def test_a_slice_bound_read_from_a_tensor_names_the_line():
+    @fddp.data_parallel
+    def step(w, x):
+        n = int((x > 0).sum())  # the line the error names
+        g = fddp.grad(lambda w: (x[:n] @ w).pow(2).mean())(w)
+        return w - 0.1 * fddp.pmean(g)
+
+    with pytest.raises(CaptureError) as info:
+        step(torch.ones(3), torch.randn(5, 3))
+    message = str(info.value)
+    assert f"{__file__}:" in message and "int((x > 0).sum())" in message, message
+    assert "shape" in message.split("\n")[0] and "trace=False" in message, message
+
+
+RNG = random.Random(0)
+DRAWS = {"module": lambda: random.random(), "instance": lambda: RNG.uniform(0, 1)}
+
+
+@pytest.mark.parametrize("generator", list(DRAWS))
+def test_a_draw_from_python_s_random_generator_says_why_it_cannot_be_traced(generator):
+    @fddp.data_parallel
+    def step(w, x):
+        scale = DRAWS[generator]()
+        g = fddp.grad(lambda w: (x @ w * scale).pow(2).mean())(w)
+        return w - 0.1 * fddp.pmean(g)
+
+    with pytest.raises(CaptureError) as info:
+        step(torch.ones(3), torch.randn(5, 3))
+    message = str(info.value)
+    assert "random" in message.split("\n")[0] and "torch.rand" in message, message
+    assert f"{__file__}:" in message and "DRAWS = " in message, message
+
+
+def test_a_generator_seeded_in_the_step_is_traced():
+    @fddp.data_parallel
+    def step(w, x):
+        random.seed(0)
+        scale = random.random() + random.Random(1).random()
+        g = fddp.grad(lambda w: (x @ w * scale).pow(2).mean())(w)
+        return w - 0.1 * fddp.pmean(g)
+
+    w, x = torch.ones(3), torch.randn(5, 3)
+    torch.testing.assert_close(step(w, x), step.__wrapped__(w, x))

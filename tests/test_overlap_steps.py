@@ -72,7 +72,7 @@ def _is_collective(node) -> bool:
 def _across_steps(pstep):
     """No public surface: the runner of an overlap_steps step, for what only it shows (how many
     merged programs it built, and their graphs)."""
-    (compiled,) = pstep._programs._programs.values()
+    (compiled,) = pstep._programs.programs()
     return compiled.program.across_steps
 
 

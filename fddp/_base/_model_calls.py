@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -15,7 +14,6 @@ Hook = Callable[[nn.Module], AbstractContextManager[Any]]
 _HOOK: contextvars.ContextVar[Hook | None] = contextvars.ContextVar("fddp_model_hook", default=None)
 # A plain list, not a context variable: Dynamo traces ``note`` inside a user's torch.compile.
 _NOTING: list[list[nn.Module]] = []
-_FUNCTIONAL: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def calling(model: nn.Module) -> AbstractContextManager[Any]:
@@ -53,14 +51,3 @@ def noting() -> Iterator[list[nn.Module]]:
         yield seen
     finally:
         _NOTING.pop()
-
-
-def register(model: nn.Module) -> None:
-    """Remember ``model`` as one that ``fddp.functional`` made an ``apply`` for."""
-    _FUNCTIONAL.add(model)
-
-
-def functional_models() -> list[nn.Module]:
-    """Every live model ``fddp.functional`` made an ``apply`` for (for a program that was not
-    captured in this process, whose models are not known)."""
-    return list(_FUNCTIONAL)

@@ -7,7 +7,6 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import optree
 import torch
 import torch.distributed as dist
 
@@ -112,14 +111,17 @@ def compile_step(
     kept_as: _persistent.Identity | None = None,
     method: str = "make_fx",
 ) -> Compiled:
-    """Capture and schedule ``step_fn(*args)``, or load its program from the persistent cache,
-    then compare the outcome across ranks (every rank of ``group`` at once).
+    """Capture ``step_fn(*args)`` and schedule it, or load the program scheduled from the same
+    capture from the persistent cache, then compare the outcome across ranks (every rank of
+    ``group`` at once).
 
     Where the cost model chooses the bucket cap on several ranks, the link is measured on the
     group's first compile, and every compile takes the cap rank 0 proposes (a broadcast:
-    ``_persistent.agreed_cap``). ``kept_as``: what the step's programs are kept under in the
-    persistent cache (``fddp.set_cache_dir``); None: they are not kept. A program found there
-    is loaded instead of compiled; one compiled is written there after its first run.
+    ``_persistent.agreed_cap``, after the ranks agree that every capture succeeded).
+    ``kept_as``: what the step's programs are kept under in the persistent cache
+    (``fddp.set_cache_dir``), beside the captured program; None: they are not kept. A program
+    found there is loaded instead of scheduled; one scheduled is written there after its first
+    run.
 
     ``method`` is how this step was captured before (see ``capture``). The ranks compare what
     they compiled (a collective): a capture error on one rank is raised on every rank
@@ -132,31 +134,40 @@ def compile_step(
     machine = None  # measured before a capture error can split the ranks
     if options.cap.measures(_runtime.world_size(group)):
         machine = _machine.measured(group, device)
-    key = agreed_cap = None
-    if kept_as is not None:
-        key = _persistent.key_for(kept_as, optree.tree_leaves(args), donated, group)
-        agreed_cap = _persistent.agreed_cap(key, options, machine, device, group)
     error: Exception | None = None
     compiled: Compiled | None = None
-    identity: list[Line] = []  # of a program captured here (a loaded one keeps its digest)
+    identity: list[Line] = []  # the captured program's, before the passes rewrite it
     try:
         with collector_paused():  # a capture and its passes allocate millions of objects
-            if key is not None:
-                compiled = _persistent.load(key, options, machine, device, agreed_cap)
-            if compiled is None:
-                if options.remat is not None:  # the model's repeated blocks become regions
-                    step_fn = _rematerialize.marking_blocks(step_fn)
-                captured, dynamo = capture(
-                    step_fn, args, tensors, fused_backward=options.in_place, method=method
-                )
-                assert captured.graph is not None  # a capture, not a loaded program
-                identity = _identity.program_lines(captured.graph, captured.inputs)
-                program = schedule_graph(captured, options, donated, machine, agreed_cap)
-                program.known_graph_digest = digest(identity)
-                compiled = Compiled(program, captured, dynamo)
-                if key is not None:
-                    compiled.after_first_run = functools.partial(_persistent.save, key)
+            if options.remat is not None:  # the model's repeated blocks become regions
+                step_fn = _rematerialize.marking_blocks(step_fn)
+            captured, dynamo = capture(
+                step_fn, args, tensors, fused_backward=options.in_place, method=method
+            )
+            assert captured.graph is not None  # the passes below rewrite it in place
+            identity = _identity.program_lines(captured.graph, captured.inputs)
     except Exception as e:  # every rank must learn about it before anyone runs a collective
+        error = e
+    key = agreed_cap = None
+    if kept_as is not None:
+        if machine is not None:  # rank 0 proposes the cap from its key: a broadcast to follow
+            raise_everywhere(error, group)
+        key = None if error else _persistent.key_for(kept_as, captured, donated, group)
+        agreed_cap = _persistent.agreed_cap(key, options, machine, device, group)
+    try:
+        if error is None:
+            with collector_paused():
+                program = None
+                if key is not None:
+                    program = _persistent.load(key, captured, options, machine, agreed_cap)
+                loaded = program is not None
+                if program is None:
+                    program = schedule_graph(captured, options, donated, machine, agreed_cap)
+                program.known_graph_digest = digest(identity)
+                compiled = Compiled(program, captured, dynamo, from_cache=loaded)
+                if key is not None and not loaded:
+                    compiled.after_first_run = functools.partial(_persistent.save, key)
+    except Exception as e:
         error = e
     sequence = compiled.program.sequence if compiled else []
     lines = [(f"collective #{i}", s) for i, s in enumerate(sequence)]

@@ -94,6 +94,12 @@ class Compiled:
     # Dynamo capture learns its outputs in that run), then forgets
     after_first_run: Callable[[Compiled], None] | None = None
 
+    def changed(self) -> str | None:
+        """What the capture read (a module's attribute, autocast ...) that reads differently
+        now, None when nothing does: the program computes what the step would."""
+        guards = self.captured.guards
+        return None if guards is None else guards.check()
+
     @property
     def first_call(self) -> bool:
         """Whether the next call is the first (it runs collectives of its own before the step)."""

@@ -58,8 +58,6 @@ def functional(model: nn.Module, *, return_buffers: bool = False) -> Callable[..
             "function of (params, *args) is already functional and can be used as it is."
         )
 
-    _model_calls.register(model)
-
     @functools.wraps(model.forward)
     def apply(
         params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], *args: Any, **kwargs: Any

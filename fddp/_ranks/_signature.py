@@ -8,6 +8,7 @@ import math
 import pickle
 import re
 import struct
+import types
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -175,22 +176,82 @@ class Signature:
             return None, f"tree structure changed: {self.tree} -> {newer.tree}"
         for path, a, b in zip(paths, self.leaves, newer.leaves):
             if a[:2] != b[:2] or (type(a) is TensorSpec and a != b):
+                field = _changed_attribute(a[1], b[1]) if type(a) is StaticSpec else None
+                if field is not None:
+                    return path, f"argument leaf {path} changed: {field}"
                 return path, f"argument leaf {path} changed: {a.describe()} -> {b.describe()}"
         if self.flags != newer.flags and newer.modes is not None:
             return None, newer.modes.change(self.flags, newer.flags)
         return None, "signature changed"
 
 
-def _stable(value: Any) -> Any:
-    """``value`` in a form whose ``==`` and ``hash`` follow its meaning."""
+_OBJECT_KEY_LIMIT = 1_000  # values an object's key may hold; a larger one is keyed by identity
+
+
+def _stable(value: Any, budget: list[int] | None = None) -> Any:
+    """``value`` in a form whose ``==`` and ``hash`` follow its meaning: a plain object (one
+    compared by identity, with attributes) by its class and attributes, as a trace reads it."""
     if isinstance(value, float) and math.isnan(value):
         return ("nan", struct.pack("<d", value))
     if isinstance(value, functools.partial):
         keywords = tuple(sorted((k, _stable(v)) for k, v in value.keywords.items()))
         return ("partial", value.func, tuple(_stable(a) for a in value.args), keywords)
     if isinstance(value, tuple) and type(value) is tuple:
-        return tuple(_stable(v) for v in value)
+        return tuple(_stable(v, budget) for v in value)
+    if _plain_object(value):
+        budget = [_OBJECT_KEY_LIMIT] if budget is None else budget
+        budget[0] -= len(vars(value))
+        if budget[0] < 0:
+            return value
+        return (_PlainObject, type(value), _attributes(value, budget))
+    if budget is not None and type(value) in (list, dict, set):  # inside a plain object
+        budget[0] -= len(value)
+        if budget[0] < 0:
+            return value
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        key = tuple((k, _stable(v, budget)) for k, v in items)
+        return (type(value), frozenset(key) if isinstance(value, set) else key)
     return value
+
+
+class _PlainObject:
+    """Marks the key of a plain object: its class and its attributes."""
+
+
+def _plain_object(value: Any) -> bool:
+    """An object of a user class that compares by identity and keeps its state in attributes
+    (a settings object): equal attributes, equal trace."""
+    kind = type(value)
+    return (
+        getattr(kind, "__eq__", None) is object.__eq__
+        and getattr(kind, "__hash__", None) is object.__hash__
+        and isinstance(getattr(value, "__dict__", None), dict)
+        and not isinstance(value, (type, types.ModuleType, types.FunctionType, nn.Module))
+        and kind.__module__ != "builtins"
+    )
+
+
+def _attributes(value: Any, budget: list[int]) -> tuple[tuple[str, Any], ...]:
+    return tuple((k, _stable(v, budget)) for k, v in sorted(vars(value).items()))
+
+
+def _changed_attribute(a: Any, b: Any) -> str | None:
+    """The first attribute whose key differs between two plain objects' keys, as text."""
+    if not (isinstance(a, tuple) and isinstance(b, tuple) and a[:1] == b[:1] == (_PlainObject,)):
+        return None
+    before, after = dict(a[2]), dict(b[2])
+    for name in sorted(before.keys() | after.keys()):
+        old, new = before.get(name, _GONE), after.get(name, _GONE)
+        if old != new:
+            return f".{name} {_key_text(old)} -> {_key_text(new)}"
+    return None
+
+
+_GONE = "(none)"
+
+
+def _key_text(key: Any) -> str:
+    return "(an object)" if isinstance(key, tuple) and key[:1] == (_PlainObject,) else repr(key)
 
 
 def _portable_value(value: Any) -> str:

@@ -29,6 +29,7 @@ OPT_OUT = (
     "check_replicas=False turns the check of replicated arguments off (or check_replicas=(...) "
     "names the arguments that must be the same on every rank)"
 )
+READ_AS_TRACED = "reads as traced"
 
 
 class Known(NamedTuple):
@@ -216,7 +217,7 @@ class CallCheck:
         self._own_group = own_group
         self._side: dist.ProcessGroup | None = None
         self._agreed_once = False
-        self._lines: dict[tuple[Signature, str], Known] = {}
+        self._lines: dict[tuple[Signature, str, str], Known] = {}
         self.calls = 0  # calls of the step launched on this rank, this one included
 
     def launch(
@@ -226,9 +227,13 @@ class CallCheck:
         request: str,
         on_argument_mismatch: Callable[[], None] = lambda: None,
         inputs: Inputs | None = None,
+        reads: str = READ_AS_TRACED,
     ) -> Pending:
         """Start the check of a call (``request`` says what was called, e.g. ``schedule()``),
-        with what the call brings (``inputs``: the replicated arguments, the generator).
+        with what the call brings (``inputs``: the replicated arguments, the generator) and
+        whether what the step's trace read reads the same (``reads``: a rank that would compile
+        again for a changed value while the others run the program would run other
+        collectives).
 
         ``on_argument_mismatch`` runs on every rank when the ranks built the step alike and
         differ in their arguments' signatures, before the error is raised: a check of its own
@@ -237,12 +242,12 @@ class CallCheck:
         self.calls += request == "called the step"
         if _runtime.world_size(self._group) == 1:
             return Pending(self, [], None, on_argument_mismatch)
-        key = (signature, request)
+        key = (signature, request, reads)
         known = self._lines.get(key)
         if known is None:
             if len(self._lines) >= _LINES_KEPT:
                 self._lines.clear()
-            arguments = signature.lines(leaf_paths(args))
+            arguments = [*signature.lines(leaf_paths(args)), ("what the trace read", reads)]
             lines = [("the request", request), *self._options, *arguments]
             known = self._lines[key] = Known(lines, digest(lines))
         terms = "" if inputs is None else inputs.terms()

@@ -27,7 +27,7 @@ from fddp._func._remat import Policy, checked_policy
 from fddp._ranks import _pending, _runtime, _timeline
 from fddp._ranks._signature import Signature
 from fddp._step import _step_lock
-from fddp._step._call_check import CallCheck
+from fddp._step._call_check import READ_AS_TRACED, CallCheck
 from fddp._step._modes import KnownModels
 from fddp._step._options import StepOptions, argnums, backend, replicated
 from fddp._step._replica_guard import ReplicaGuard, tensor_indices_of_arg
@@ -120,7 +120,12 @@ class DataParallelStep:
         eager = not self._options.trace
         inputs = self._replicas.inputs(signature, args, tensors, compiled, device, eager=eager)
         check = self._calls.launch(
-            signature, args, "called the step", lambda: self._replicas.compare_trees(args), inputs
+            signature,
+            args,
+            "called the step",
+            lambda: self._replicas.compare_trees(args),
+            inputs,
+            reads=self._programs.changed or READ_AS_TRACED,
         )
         if not self._options.trace:
             out = self._run_eagerly(args, check.settle)

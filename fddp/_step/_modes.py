@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from fddp._base import _model_calls
 from fddp._compiler._program import Compiled
 from fddp._ranks._signature import Modes, Signature, signature_of
 
@@ -22,9 +21,9 @@ class KnownModels:
 
     def after_compile(self, signature: Signature, args: tuple, compiled: Compiled) -> Signature:
         """``signature`` with the modes of every model the step is known to run, those of
-        ``compiled``'s capture included (a program loaded from the persistent cache could have
-        run any model ``fddp.functional`` wraps)."""
-        ran = _model_calls.functional_models() if compiled.from_cache else compiled.captured.models
+        ``compiled``'s capture included (a program loaded from the persistent cache comes with
+        this process's capture too)."""
+        ran = compiled.captured.models
         known = self._modes.models if self._modes is not None else ()
         if all(any(m is k for k in known) for m in ran):
             return signature

@@ -1,12 +1,13 @@
-"""Compiled programs on disk, for a restarted process to run without capturing again."""
+"""Compiled programs on disk, keyed by the captured program: a restarted process captures its
+step and skips the passes, the plan and the backend's build."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import hmac
-import io
 import os
 import pickle
 import platform
@@ -25,19 +26,12 @@ import torch.distributed as dist
 from fddp._base import _files
 from fddp._base._names import qualified_name
 from fddp._compiler._cache import _store
-from fddp._compiler._cache._fingerprint import (
-    Fingerprint,
-    Unfingerprintable,
-    fddp_source_digest,
-    fingerprint,
-    locate,
-)
+from fddp._compiler._capture._trace import Captured
 from fddp._compiler._options import CompileOptions
 from fddp._compiler._passes import _cost
-from fddp._compiler._program import Compiled
+from fddp._compiler._program import Compiled, Program
 from fddp._ranks import _machine, _runtime
 from fddp._ranks._agree import Line
-from fddp._ranks._digests import digests
 from fddp._ranks._machine import Machine
 from fddp._ranks._signature import Signature, TensorSpec
 
@@ -53,18 +47,16 @@ _KEY_BYTES = 32
 def set_cache_dir(path: str | os.PathLike | None, *, max_bytes: int = MAX_BYTES) -> None:
     """Keep compiled programs in ``path`` for later processes (None: keep none).
 
-    A restarted job with the same step code, model, argument signature, options, world size and
-    versions loads its programs from there instead of capturing and scheduling the step again
-    (the first call of a 32-layer transformer goes from seconds to a fraction of one). Off by
-    default; the environment variable ``FDDP_CACHE_DIR`` turns it on for a whole job. The
-    directory is created private to the user; one that others can write to (or below one they
-    can) is not used. Beyond ``max_bytes`` (4 GiB by default) the programs least recently
-    written or loaded are removed.
-
-    The key covers what the step's code reaches through its closures, globals, defaults,
-    attributes and imports, and the versions of the installed libraries among them; state the
-    step reads elsewhere (a flag in another module, an environment variable the model reads) is
-    not seen: clear the directory after changing such state.
+    A restarted job captures its step as always, and where the captured program (every node
+    and constant of the graph, how its inputs and outputs map to the step's), the argument
+    signature, the options, the world and the versions of Python, torch and fddp are those of
+    a program kept there, it loads the scheduled program instead of running the passes and
+    building it again (a restart's first call takes 0.5-0.7 of a first compile's). Whatever the
+    step's Python read while it was traced (its code, modules, files, environment variables)
+    is in the captured program, so an edit anywhere is seen. Off by default; the environment
+    variable ``FDDP_CACHE_DIR`` turns it on for a whole job. The directory is created private
+    to the user; one that others can write to (or below one they can) is not used. Beyond
+    ``max_bytes`` (4 GiB by default) the programs least recently written or loaded are removed.
     """
     global _directory, _max_bytes
     if max_bytes <= 0:
@@ -82,9 +74,9 @@ def cache_dir() -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class Identity:
-    """What a step's program on disk is kept under, beside the versions, the world and the
-    donated arguments: the step (fingerprinted with everything it reaches), the call's
-    signature and how the step was built (its options as the ranks compare them)."""
+    """What a step's program on disk is kept under, beside its captured program, the versions,
+    the world and the donated arguments: the call's signature and how the step was built (its
+    options as the ranks compare them). ``step_fn`` names the step in messages."""
 
     step_fn: Any
     signature: Signature
@@ -94,8 +86,6 @@ class Identity:
 @dataclasses.dataclass(frozen=True)
 class Key:
     digest: str
-    fingerprint: Fingerprint
-    roots: tuple[Any, ...]
     directory: Path
     secret: bytes  # the directory's key for the files' authentication codes
 
@@ -169,11 +159,11 @@ def _signature_text(signature: Signature) -> list[str]:
 
 
 def key_for(
-    identity: Identity, leaves: list[Any], donated: set[int], group: dist.ProcessGroup | None
+    identity: Identity, captured: Captured, donated: set[int], group: dist.ProcessGroup | None
 ) -> Key | None:
-    """The cache key of compiling ``identity``'s step for its signature (``leaves``: the
-    call's); None (warned once) when the cache is off, its directory or key file is not safe,
-    or the step reaches what cannot be fingerprinted."""
+    """The cache key of the program scheduled from ``captured`` (``identity``'s step for its
+    signature); None (warned once) when the cache is off, its directory or key file is not
+    safe, or the captured program holds what the store does not write."""
     directory = cache_dir()
     if directory is None:
         return None
@@ -181,12 +171,11 @@ def key_for(
     secret = None if path is None else _secret(path)
     if path is None or secret is None:
         return None
-    roots = (identity.step_fn, tuple(x for x in leaves if not isinstance(x, torch.Tensor)))
     try:
-        found = fingerprint(*roots)
-    except Unfingerprintable as e:
+        program = _store.capture_digest(captured)
+    except _store.NotStorable as e:
         name = qualified_name(identity.step_fn, module=False)
-        _warn_once(f"fddp: not keeping {name}'s program in the program cache: {e}.")
+        _runtime.log_rank0("data_parallel: not keeping %s's program: %s", name, e)
         return None
     world = _runtime.world_size(group)
     parts = [
@@ -196,7 +185,7 @@ def key_for(
         optree.__version__,
         sys.version,
         platform.machine(),
-        found.digest,
+        program,
         _signature_text(identity.signature),
         list(identity.described),
         sorted(donated),
@@ -205,7 +194,18 @@ def key_for(
         _group_text(group) if world > 1 else "",
     ]
     digest = hashlib.sha256(repr(parts).encode()).hexdigest()
-    return Key(digest, found, roots, path, secret)
+    return Key(digest, path, secret)
+
+
+@functools.cache
+def fddp_source_digest() -> str:
+    """A digest of fddp's own source files: a changed fddp never loads an older program."""
+    root = Path(__file__).resolve().parents[2]  # fddp/_compiler/_cache/ -> fddp/
+    digest = hashlib.sha256()
+    for file in sorted(root.rglob("*.py")):
+        digest.update(str(file.relative_to(root)).encode())
+        digest.update(file.read_bytes())
+    return digest.hexdigest()
 
 
 def _group_text(group: dist.ProcessGroup | None) -> str:
@@ -213,32 +213,16 @@ def _group_text(group: dist.ProcessGroup | None) -> str:
     return f"{dist.get_backend(chosen)} {getattr(chosen, 'group_name', '')}"
 
 
-def _digest(t: torch.Tensor) -> list[int]:
-    return [int(x) for x in digests([t])[0]]
-
-
 def save(key: Key, compiled: Compiled) -> None:
-    """Write ``compiled`` (after its first run) and its profile under ``key``; a program this
-    format cannot write is left out, with a log line."""
+    """Write ``compiled``'s program (after its first run) and its profile under ``key``; a
+    program this format cannot write is left out, with a log line. Its tensors are not
+    written: a restart binds those of its own capture."""
     try:
-        stored = _store.encode(compiled.program, compiled.captured)
+        stored = _store.encode(compiled.program)
     except _store.NotStorable as e:
         _runtime.log_rank0("data_parallel: not caching the program: %s", e)
         return
-    located, tensors = {}, {}
-    for name, tensor in stored.constants.items():
-        path = key.fingerprint.tensors.get(id(tensor))
-        if path is None:
-            tensors[name] = tensor.detach().cpu()
-        else:
-            located[name] = (path, tuple(tensor.shape), str(tensor.dtype), _digest(tensor))
-    buffer = io.BytesIO()
-    torch.save(tensors, buffer)
-    program = {
-        "stored": dataclasses.replace(stored, constants={}),
-        "tensors": buffer.getvalue(),
-        "located": located,
-    }
+    program = {"stored": stored}
     profile = {"profile": compiled.program.profile, "cap": compiled.program.cap}
     try:
         program_data, profile_data = (pickle.dumps(p, protocol=4) for p in (program, profile))
@@ -407,13 +391,14 @@ def proposal(key: Key | None, options: CompileOptions, machine: Machine, restore
 
 def load(
     key: Key,
+    captured: Captured,
     options: CompileOptions,
     machine: Machine | None,
-    device: torch.device,
     agreed_cap: int | None = None,
-) -> Compiled | None:
+) -> Program | None:
     """The program stored under ``key`` for the ``agreed_cap`` (else the cap this run would
-    choose), or None."""
+    choose), built on ``captured`` (the capture the key was computed from: its constants), or
+    None."""
     start = time.perf_counter()
     found = _profile(key)
     if found is None:
@@ -421,38 +406,19 @@ def load(
     profile, _ = found
     choice = _cost.choose_cap(profile, options.cap, machine, agreed_cap)
     payload = _read(key, key.program_path(choice.cap))
-    if payload is None:
+    if payload is None or not isinstance(payload.get("stored"), _store.Stored):
         return None
     for file in (key.profile_path(), key.program_path(choice.cap)):
         with contextlib.suppress(OSError):  # a read-only directory
             _touch(file)  # recently used: the last to be evicted
-    constants = torch.load(io.BytesIO(payload["tensors"]), weights_only=True)
-    constants = {name: t.to(device) for name, t in constants.items()}
-    for name, (path, shape, dtype, digest) in payload["located"].items():
-        tensor = _find(key.roots, path)
-        if tensor is None or (tuple(tensor.shape), str(tensor.dtype)) != (tuple(shape), dtype):
-            return None
-        if _digest(tensor) != list(digest):
-            return None  # a constant the step reads changed: its values are in the graph
-        constants[name] = tensor
-    stored = dataclasses.replace(payload["stored"], constants=constants)
     try:
-        program, captured = _store.decode(stored, options.backend, profile)
+        program = _store.decode(payload["stored"], captured, options.backend, profile)
     except _store.NotStorable as e:
         _runtime.log_rank0("data_parallel: ignoring a cached program: %s", e)
         return None
     plan = dataclasses.replace(
         program.schedule,
         bucket_cap=str(choice) if profile.reductions else "",
-        capture_seconds=time.perf_counter() - start,
+        capture_seconds=captured.seconds + time.perf_counter() - start,
     )
-    program = dataclasses.replace(program, schedule=plan)
-    return Compiled(program, captured, None, from_cache=True)
-
-
-def _find(roots: tuple[Any, ...], path: Any) -> torch.Tensor | None:
-    try:
-        found = locate(roots, tuple(tuple(step) for step in path))
-    except LookupError:
-        return None
-    return found if isinstance(found, torch.Tensor) else None
+    return dataclasses.replace(program, schedule=plan)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import marshal
 import operator
@@ -20,7 +21,7 @@ from fddp._compiler._capture._trace import Captured
 from fddp._compiler._passes import _cost, _gate
 from fddp._compiler._program import Program
 
-FORMAT = 1
+FORMAT = 2  # 2: keyed by the captured program, tensors bound from the capture
 
 
 class NotStorable(Exception):
@@ -163,15 +164,38 @@ def decode_graph(nodes: list[tuple], constants: dict[str, torch.Tensor]) -> fx.G
 
 @dataclasses.dataclass(frozen=True)
 class Stored:
-    """A program as plain data. ``constants`` are the graph's tensors and the inputs it holds
-    by reference, by name (the caller decides which are written and which found again)."""
+    """A scheduled program as plain data. Its tensors are not in it: the graph's attributes are
+    the capture's (by name), its other inputs the capture's too."""
 
     nodes: bytes  # the graph's nodes (encode_graph), pickled: read only when it is asked for
-    attributes: list[str]  # graph attributes, their tensors under the same names in constants
-    inputs: list[int | str]  # a flat tensor argument's index, or a constant's name
-    constants: dict[str, torch.Tensor]
+    attributes: list[str]  # the graph's tensor attributes, found on the capture's graph
     code: bytes | None  # the fx backend's forward, marshalled (None for Inductor)
-    meta: dict[str, Any]  # plan, sequence, outputs, the code's globals, and the rest
+    meta: dict[str, Any]  # plan, sequence, the code's globals, and the rest
+
+
+def capture_digest(captured: Captured) -> str:
+    """A digest of a capture: every node of its graph with every argument, its tensor
+    constants' dtypes and shapes (their values are bound, not compiled in), where its inputs
+    come from and where the step's outputs go. Equal digests, equal scheduled programs.
+
+    Raises:
+        NotStorable: the graph holds what this format does not write.
+    """
+    assert captured.graph is not None  # a capture, before its passes
+    nodes, constants = encode_graph(captured.graph)
+    held = [
+        ("argument", s) if isinstance(s, int) else ("tensor", str(s.dtype), tuple(s.shape))
+        for s in captured.inputs
+    ]
+    parts = [
+        nodes,
+        [(name, str(t.dtype), tuple(t.shape), t.device.type) for name, t in constants.items()],
+        held,
+        repr(captured.outputs),
+        str(captured.out_spec),
+        captured.method,
+    ]
+    return hashlib.sha256(pickle.dumps(parts, protocol=4)).hexdigest()
 
 
 def _encode_global(value: Any) -> tuple:
@@ -209,27 +233,16 @@ def _decode_global(encoded: tuple) -> Any:
     return _resolve(*rest)
 
 
-def encode(program: Program, captured: Captured) -> Stored:
-    """``program`` (scheduled from ``captured``, after its first run) as plain data.
+def encode(program: Program) -> Stored:
+    """``program`` (after its first run) as plain data.
 
     Raises:
-        NotStorable: it holds a graph node, argument, output or merged program this format does
-            not write.
+        NotStorable: it holds a graph node, argument or merged program this format does not
+            write.
     """
     if program.across_steps is not None:
         raise NotStorable("programs merged across steps (overlap_steps=True)")
-    if captured.outputs is None or captured.out_spec is None:
-        raise NotStorable("a capture whose outputs are not known yet")
     nodes, constants = encode_graph(program.graph)
-    attributes = list(constants)
-    inputs: list[int | str] = []
-    for k, source in enumerate(captured.inputs):
-        if isinstance(source, int):
-            inputs.append(source)
-        else:
-            name = f"input {k}"
-            constants[name] = source
-            inputs.append(name)
     generated = program.generated
     meta = {
         "plan": program.schedule,
@@ -238,9 +251,6 @@ def encode(program: Program, captured: Captured) -> Stored:
         "rank_bit": program.rank_bit,
         "cap": program.cap,
         "gated": program.gated,
-        "outputs": captured.outputs,
-        "out_spec": captured.out_spec,
-        "method": captured.method,
         "graph_digest": program.graph_digest(),
     }
     if generated is not None:
@@ -248,19 +258,23 @@ def encode(program: Program, captured: Captured) -> Stored:
         meta["operators"] = generated.operators
         meta["source"] = generated.source
     code = marshal.dumps(generated.code) if generated is not None else None
-    return Stored(pickle.dumps(nodes, protocol=4), attributes, inputs, constants, code, meta)
+    return Stored(pickle.dumps(nodes, protocol=4), list(constants), code, meta)
 
 
-def decode(stored: Stored, backend: str, profile: _cost.Profile) -> tuple[Program, Captured]:
-    """The program and capture ``stored`` holds, its runner built for ``backend`` (the fx
-    backend runs the stored code; its graph is built only when asked for); ``profile`` is the
-    one stored beside it.
+def decode(stored: Stored, captured: Captured, backend: str, profile: _cost.Profile) -> Program:
+    """The program ``stored`` holds, on ``captured``'s tensors (the capture its key was
+    computed from), its runner built for ``backend`` (the fx backend runs the stored code; its
+    graph is built only when asked for); ``profile`` is the one stored beside it.
 
     Raises:
         NotStorable: the data does not fit this fddp (another version wrote it).
     """
     meta = stored.meta
-    graph_constants = {name: stored.constants[name] for name in stored.attributes}
+    assert captured.graph is not None  # the capture, before any pass
+    try:
+        graph_constants = {name: getattr(captured.graph, name) for name in stored.attributes}
+    except AttributeError as e:
+        raise NotStorable(f"a graph attribute the capture lacks: {e}") from None
 
     def graph() -> fx.GraphModule:
         return decode_graph(pickle.loads(stored.nodes), graph_constants)
@@ -279,9 +293,8 @@ def decode(stored: Stored, backend: str, profile: _cost.Profile) -> tuple[Progra
             run, graph_of = _backend.as_runner(generated.forward(holder)), graph
     except Exception as e:
         raise NotStorable(f"{type(e).__name__}: {e}") from None
-    inputs = [s if isinstance(s, int) else stored.constants[s] for s in stored.inputs]
-    plan = dataclasses.replace(meta["plan"], captured_with=f"{meta['method']}, loaded from cache")
-    program = Program(
+    plan = dataclasses.replace(meta["plan"], captured_with=f"{captured.method}, loaded from cache")
+    return Program(
         graph_of,
         plan,
         meta["sequence"],
@@ -295,5 +308,3 @@ def decode(stored: Stored, backend: str, profile: _cost.Profile) -> tuple[Progra
         generated,
         meta.get("graph_digest"),
     )
-    captured = Captured(None, inputs, 0.0, meta["outputs"], meta["out_spec"], meta["method"])
-    return program, captured

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import contextvars
 import dataclasses
-import dis
-import enum
 import functools
 import operator
 import struct
 import threading
-import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from fddp._base import _model_calls
-from fddp._compiler._capture import _backward_mode, _quick_record
+from fddp._compiler._capture import _backward_mode, _evidence, _quick_record
 from fddp._compiler._graph import mutated_inputs, storage
 
 if _quick_record._AVAILABLE:
@@ -39,10 +35,9 @@ if _quick_record._AVAILABLE:
 
     _CAPTURE_MODES = (ProxyTorchDispatchMode, FakeTensorMode, _quick_record.QuickRecord)
 
-# a capture's templates by the key of the calls they serve (None: not replayable)
-_Templates = dict[Any, "_Template | None"]
 _IN_TEMPLATE = threading.local()  # the template's own trace calls the blocks as they are
 ENABLED = True  # tests compare captures with and without
+MAX_TEMPLATES = 2  # per kind of call: beyond, the blocks' reads keep differing; trace them
 
 
 class _NotReplayable(Exception):
@@ -74,48 +69,39 @@ class _Template:
     out_spec: Any
     out_leaves: list[Any]  # the output's leaves, tensors as None
     graph_module: fx.GraphModule  # keeps the nodes' graph alive
+    reads: list[_evidence.Read] = dataclasses.field(default_factory=list)  # block-relative
+
+
+@dataclasses.dataclass
+class _Kind:
+    """The templates of one kind of call (block structure, arguments, tensor layouts): each
+    is reused for a call whose block reads what its own block read."""
+
+    templates: list[_Template] = dataclasses.field(default_factory=list)
+    closed: bool = False  # a template wrote state, or the reads kept differing: trace them all
 
 
 def session() -> contextlib.AbstractContextManager[Any]:
     """Within the block (fddp's make_fx capture), the models ``fddp.functional`` runs replay
     their repeated blocks (children of a ``ModuleList`` or ``Sequential`` with at least two
-    identical siblings) where they can."""
+    identical siblings) where the evidence allows."""
     if not (_quick_record._AVAILABLE and ENABLED):
         return contextlib.nullcontext()
-    return _model_calls.watching(functools.partial(_replaying, _Session()))
-
-
-@dataclasses.dataclass
-class _Session:
-    templates: _Templates = dataclasses.field(default_factory=dict)
-    # what the blocks of one structure read besides their tensors (None: not replayable)
-    reads: dict[Any, _Reads | None] = dataclasses.field(default_factory=dict)
-
-
-# the forwards _replaying installs on blocks: not part of a block's structure (each block's is
-# its own closure)
-_REPLAYING_FORWARDS: dict[int, Callable[..., Any]] = {}
-
-
-def _installed(value: Any) -> bool:
-    return _REPLAYING_FORWARDS.get(id(value)) is value
+    return _model_calls.watching(functools.partial(_replaying, {}))
 
 
 @contextlib.contextmanager
-def _replaying(session: _Session, model: nn.Module) -> Iterator[None]:
+def _replaying(kinds: dict[Any, _Kind], model: nn.Module) -> Iterator[None]:
     patched = []
     try:
         for block in _repeated_children(model):
             if "forward" in block.__dict__:
                 continue
-            original = block.forward
-            block.forward = _replaying_forward(block, original, session)
-            _REPLAYING_FORWARDS[id(block.forward)] = block.forward
+            block.forward = _replaying_forward(block, block.forward, kinds)
             patched.append(block)
         yield
     finally:
         for block in patched:
-            _REPLAYING_FORWARDS.pop(id(block.forward), None)
             del block.forward
 
 
@@ -127,52 +113,34 @@ def _repeated_children(model: nn.Module) -> list[nn.Module]:
             continue
         kinds: dict[Any, list[nn.Module]] = {}
         for child in module.children():
-            key = _structure(child)
-            if key is not None:
-                kinds.setdefault(key, []).append(child)
+            kinds.setdefault(_structure(child), []).append(child)
         # one template costs about two traced blocks: worth it from three
         found += [c for group in kinds.values() if len(group) >= 3 for c in group]
     return found
 
 
+def _structure(block: nn.Module) -> Any:
+    """A block's module tree: each module's place, class, and its own parameters' and
+    buffers' names and shapes. Blocks of one structure may compute alike; what their code
+    reads decides whether they do (:class:`_Kind`)."""
+    return tuple(
+        (name, type(module), _shapes(module._parameters), _shapes(module._buffers))
+        for name, module in block.named_modules(remove_duplicate=False)
+    )
+
+
+def _shapes(tensors: dict[str, torch.Tensor | None]) -> tuple:
+    return tuple((k, None if v is None else tuple(v.shape)) for k, v in tensors.items())
+
+
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
-_HOOKS = (
-    "_forward_hooks",
-    "_forward_pre_hooks",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-    "_state_dict_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_pre_hooks_with_kwargs",
-)
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 def _plain_value(value: Any) -> bool:
     if isinstance(value, (tuple, list)):
         return all(_plain_value(v) for v in value)
     return isinstance(value, _PLAIN) or (callable(value) and hasattr(value, "__qualname__"))
-
-
-def _structure(block: nn.Module) -> Any:
-    """What a block's forward may depend on besides its tensors (its classes, flags and plain
-    attributes), or None for a block with hooks or attributes this cannot compare."""
-    parts = []
-    for name, module in block.named_modules(remove_duplicate=False):
-        attributes = []
-        for key, value in sorted(vars(module).items()):
-            if key in ("_parameters", "_buffers", "_modules") or _installed(value):
-                continue
-            if key in _HOOKS or key.endswith("_hooks"):
-                if value:
-                    return None
-                continue
-            if key.startswith("_") and isinstance(value, (dict, set)) and not value:
-                continue
-            if not _plain_value(value):
-                return None
-            attributes.append((key, _hashable(value)))
-        parts.append((name, type(module), tuple(attributes)))
-    return tuple(parts)
 
 
 def _hashable(value: Any) -> Any:
@@ -189,444 +157,32 @@ def _hashable(value: Any) -> Any:
     return (type(value), value)
 
 
-# ---- what a block's code reads besides its tensors and attributes ----
-
-# code that reads no state a replay could get wrong: its functions are ops, its classes make
-# new objects (a torch.Generator kept in a global is an object, refused as one)
-_TRUSTED = frozenset(
-    {
-        "torch",
-        "fddp",
-        "math",
-        "cmath",
-        "operator",
-        "_operator",
-        "functools",
-        "itertools",
-        "typing",
-        "builtins",
-        "warnings",
-        "_warnings",
-    }
-)
-_IMMUTABLE = (
-    int,
-    float,
-    complex,
-    bool,
-    str,
-    bytes,
-    type(None),
-    type(Ellipsis),
-    type(NotImplemented),
-    range,
-    torch.dtype,
-    torch.device,
-    torch.layout,
-    torch.memory_format,
-)
-# builtins that write, look up attributes or namespaces by a name the code computes, tell
-# objects apart (``id``), or have effects a replay would run once
-_DENIED_BUILTINS = frozenset(
-    [
-        "setattr",
-        "delattr",
-        "getattr",
-        "hasattr",
-        "vars",
-        "globals",
-        "locals",
-        "exec",
-        "eval",
-        "compile",
-        "__import__",
-        "open",
-        "input",
-        "print",
-        "breakpoint",
-        "id",
-        "hash",
-        "repr",
-    ]
-)
-# attribute names that write (modules, objects, dicts) or read an object's namespace; and
-# ``register_*``: hooks and state a template would add once
-_DENIED_NAMES = frozenset(
-    [
-        "__dict__",
-        "__setattr__",
-        "__delattr__",
-        "__setstate__",
-        "__setitem__",
-        "__delitem__",
-        "__hash__",
-        "add_module",
-        "train",
-        "eval",
-        "requires_grad_",
-        "zero_grad",
-        "load_state_dict",
-        "set_extra_state",
-        "_apply",
-        "share_memory",
-    ]
-)
-# special methods the language calls on a user class's objects without naming them, other
-# than these (constructors are followed where the class is called)
-_NOT_IMPLICIT = frozenset(
-    [
-        "__init__",
-        "__new__",
-        "__post_init__",
-        "__init_subclass__",
-        "__set_name__",
-        "__class_getitem__",
-        "__getstate__",
-        "__setstate__",
-        "__reduce__",
-        "__reduce_ex__",
-        "__del__",
-        "__copy__",
-        "__deepcopy__",
-        "__setattr__",
-        "__delattr__",
-        "__dir__",
-        "__repr__",
-    ]
-)
-_CONSTRUCTORS = ("__new__", "__init__", "__post_init__")
-_WRITES = frozenset({"STORE_ATTR", "DELETE_ATTR", "STORE_GLOBAL", "DELETE_GLOBAL"})
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Place:
-    """A value a block's code reads: a name in a namespace (a module's globals, builtins), in
-    a class (looked up along its MRO) or a closure cell."""
-
-    kind: str  # "dict", "class" or "cell"
-    where: Any
-    name: str
-    seen: Any  # the value the code was analysed with
-    plain: bool  # immutable: keyed by value; else it must stay the object analysed
-
-    def read(self) -> Any:
-        if self.kind == "cell":
-            return self.where.cell_contents
-        if self.kind == "class":
-            return _class_attribute(self.where, self.name)[1]
-        return self.where[self.name]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Reads:
-    places: tuple[_Place, ...]
-
-    def values(self) -> tuple[Any, ...]:
-        """The plain values read now, for the key; raises when an object read differs from
-        the one analysed."""
-        found = []
-        for place in self.places:
-            try:
-                value = place.read()
-            except (KeyError, ValueError) as e:  # a global deleted, a cell emptied
-                raise _NotReplayable(f"{place.name} is gone") from e
-            if place.plain:
-                if not _immutable(value):
-                    raise _NotReplayable(f"{place.name} is no longer a plain value")
-                found.append(_hashable(value))
-            elif value is not place.seen:
-                raise _NotReplayable(f"{place.name} is not what was analysed")
-        return tuple(found)
-
-
-def _reads_of(block: nn.Module) -> _Reads | None:
-    """What ``block``'s forward may read besides its tensors and attributes, or None where it
-    may write state (attributes, globals, closure cells), read mutable state (a list, a dict, a
-    ``ContextVar``, an object's attributes) or do what this cannot follow."""
-    walk = _Walk()
-    try:
-        for module in block.modules():
-            walk.class_(type(module), constructed=False)
-            for value in vars(module).values():
-                if callable(value) and not isinstance(value, nn.Module):
-                    walk.value(value, None)
-        walk.names.update(("forward", "__call__", "backward", "setup_context"))
-        walk.run()
-    except _NotReplayable:
-        return None
-    return _Reads(tuple(walk.places.values()))
-
-
-def _argument_reads(others: list[Any], session: _Session) -> tuple[Any, ...]:
-    """The reads of the functions among a call's plain arguments (raises where one is not
-    replayable)."""
-    found = []
-    for value in others:
-        if callable(value):
-            if value not in session.reads:
-                walk = _Walk()
-                try:
-                    walk.value(value, None)
-                    walk.run()
-                    session.reads[value] = _Reads(tuple(walk.places.values()))
-                except _NotReplayable:
-                    session.reads[value] = None
-            reads = session.reads[value]
-            if reads is None:
-                raise _NotReplayable(f"{value} is not replayable")
-            found.append(reads.values())
-    return tuple(found)
-
-
-class _Walk:
-    """A conservative reading of Python code: every function it may call (found by name, as
-    the code's globals, closure cells and attribute names resolve in the classes and modules
-    it reaches), what those read, and whether any writes."""
-
-    def __init__(self) -> None:
-        self.places: dict[tuple[str, int, str], _Place] = {}
-        self.names: set[str] = set()  # attribute names the code loads
-        self.namespaces: dict[int, Any] = {}  # user classes and modules, by id
-        self.constructed: set[int] = set()  # user classes the code may call
-        # functions to read, each with the argument name its attribute writes may go to (a
-        # constructor's new object), else None
-        self.pending: list[tuple[types.FunctionType, str | None]] = []
-        self.functions: set[int] = set()
-        self.resolved: set[tuple[int, str]] = set()
-
-    def run(self) -> None:
-        while True:
-            while self.pending:
-                self.function(*self.pending.pop())
-            denied = {n for n in self.names if n in _DENIED_NAMES or n.startswith("register_")}
-            if denied:
-                raise _NotReplayable(f"uses {sorted(denied)}")
-            todo = [
-                (space, name)
-                for space in list(self.namespaces.values())
-                for name in sorted(self.names)
-                if (id(space), name) not in self.resolved
-            ]
-            if not todo and not self.pending:
-                return
-            for space, name in todo:
-                self.resolved.add((id(space), name))
-                self.attribute(space, name)
-
-    def attribute(self, space: Any, name: str) -> None:
-        if isinstance(space, type):
-            owner, value = _class_attribute(space, name)
-            if owner is None:
-                return
-            place = _place("class", space, name, value)
-            if not _trusted(owner.__module__):
-                self.value(value, place)
-            elif place.plain:  # torch's default, which a user class may set per layer
-                self.places[("class", id(space), name)] = place
-        elif name in vars(space):
-            namespace = vars(space)
-            self.value(namespace[name], _place("dict", namespace, name, namespace[name]))
-
-    def class_(self, klass: type, *, constructed: bool) -> None:
-        """Read ``klass``'s attributes by name from now on, and its special methods; its
-        constructors too where the code may call it."""
-        for owner in klass.__mro__:
-            if _trusted(owner.__module__):
-                continue
-            if id(owner) not in self.namespaces:
-                self.namespaces[id(owner)] = owner
-                for name, value in vars(owner).items():
-                    if _special(name) and name not in _NOT_IMPLICIT and _holds_code(value):
-                        self.value(value, None)
-            if constructed and id(owner) not in self.constructed:
-                self.constructed.add(id(owner))
-                for name in _CONSTRUCTORS:
-                    method = vars(owner).get(name)
-                    if isinstance(method, staticmethod):  # __new__
-                        method = method.__func__
-                    if isinstance(method, types.FunctionType):
-                        # __new__'s first argument is the class: it writes no attribute
-                        new_object = None if name == "__new__" else method.__code__.co_varnames[0]
-                        self.pending.append((method, new_object))
-
-    def value(self, value: Any, place: _Place | None) -> None:
-        """Note ``value`` (read at ``place``), or raise if a replay cannot rely on it."""
-        if place is not None:
-            self.places[(place.kind, id(place.where), place.name)] = place
-        if _immutable(value) or isinstance(value, enum.Enum):
-            return
-        if isinstance(value, (tuple, frozenset)):  # isinstance's classes, say
-            for item in value:
-                self.value(item, None)
-        elif isinstance(value, types.ModuleType):
-            if not _trusted(value.__name__) and id(value) not in self.namespaces:
-                self.namespaces[id(value)] = value
-                if "__getattr__" in vars(value):  # names it makes on demand (submodules)
-                    self.value(vars(value)["__getattr__"], None)
-        elif isinstance(value, type):
-            self.class_(value, constructed=True)
-        elif isinstance(value, types.FunctionType):
-            if hasattr(value, "__wrapped__"):  # a decorator's wrapper
-                self.value(value.__wrapped__, None)
-            if not _trusted(value.__module__):
-                self.pending.append((value, None))
-        elif isinstance(value, (staticmethod, classmethod)):
-            self.value(value.__func__, None)
-        elif isinstance(value, property):
-            self.value(value.fget, None)
-        elif isinstance(value, types.MethodType):
-            if not isinstance(value.__self__, type):
-                raise _NotReplayable(f"{value} is a method bound to an object")
-            self.value(value.__self__, None)
-            self.value(value.__func__, None)
-        elif isinstance(value, types.BuiltinFunctionType):
-            owner = value.__self__
-            if owner is builtins and value.__name__ in _DENIED_BUILTINS:
-                raise _NotReplayable(f"calls {value.__name__}")
-            if not (
-                owner is None
-                or isinstance(owner, types.ModuleType)
-                or _immutable(owner)
-                or (isinstance(owner, type) and _trusted(owner.__module__))  # tuple.__new__
-            ):
-                raise _NotReplayable(f"{value} is a method bound to an object")
-        elif not isinstance(value, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
-            raise _NotReplayable(f"reads a {type(value).__name__}")
-
-    def function(self, function: types.FunctionType, self_name: str | None) -> None:
-        if id(function) in self.functions:
-            return
-        self.functions.add(id(function))
-        code = function.__code__
-        for default in (*(function.__defaults__ or ()), *(function.__kwdefaults__ or {}).values()):
-            self.value(default, None)
-        for name, cell in zip(code.co_freevars, function.__closure__ or ()):
-            try:
-                content = cell.cell_contents
-            except ValueError:  # not yet bound
-                continue
-            self.value(content, _place("cell", cell, name, content))
-        self.code(code, function.__globals__, frozenset(code.co_freevars), self_name)
-
-    def code(
-        self,
-        code: types.CodeType,
-        namespace: dict[str, Any],
-        cells: frozenset[str],
-        self_name: str | None = None,
-    ) -> None:
-        """``cells``: the free variables that are cells of no function within this walk;
-        ``self_name``: the argument whose attributes the code may write (``self.x = ...``)."""
-        previous = None
-        for instruction in dis.get_instructions(code):
-            op, name = instruction.opname, instruction.argval
-            if op in _WRITES and not (
-                op == "STORE_ATTR"
-                and self_name is not None
-                and previous is not None
-                and (previous.opname, previous.argval) == ("LOAD_FAST", self_name)
-            ):
-                raise _NotReplayable(f"{op} {name}")
-            if op in ("STORE_DEREF", "DELETE_DEREF") and name in cells:
-                raise _NotReplayable(f"writes the closure's {name}")
-            if op in ("LOAD_GLOBAL", "LOAD_NAME"):
-                self.global_(namespace, name)
-            elif op == "IMPORT_NAME" and not _trusted(name):
-                raise _NotReplayable(f"imports {name}")
-            elif "ATTR" in op or op == "LOAD_METHOD":
-                self.names.add(name)
-            previous = instruction
-        for const in code.co_consts:
-            if isinstance(const, types.CodeType):
-                self.code(const, namespace, cells & frozenset(const.co_freevars))
-
-    def global_(self, namespace: dict[str, Any], name: str) -> None:
-        if name not in namespace:
-            namespace = namespace.get("__builtins__", vars(builtins))
-            if isinstance(namespace, types.ModuleType):
-                namespace = vars(namespace)
-            if name not in namespace:
-                raise _NotReplayable(f"reads {name}, which is not defined")
-        self.value(namespace[name], _place("dict", namespace, name, namespace[name]))
-
-
-def _holds_code(value: Any) -> bool:
-    return isinstance(value, (types.FunctionType, staticmethod, classmethod, property))
-
-
-def _special(name: str) -> bool:
-    return name.startswith("__") and name.endswith("__")
-
-
-def _place(kind: str, where: Any, name: str, value: Any) -> _Place:
-    return _Place(kind, where, name, value, _immutable(value))
-
-
-def _class_attribute(klass: type, name: str) -> tuple[type | None, Any]:
-    """The class along ``klass``'s MRO that defines ``name``, and its value there."""
-    for owner in klass.__mro__:
-        if name in vars(owner):
-            return owner, vars(owner)[name]
-    return None, None
-
-
-def _trusted(module: str | None) -> bool:
-    return module is not None and module.partition(".")[0] in _TRUSTED
-
-
-def _immutable(value: Any) -> bool:
-    if isinstance(value, (tuple, frozenset)):
-        return all(_immutable(v) for v in value)
-    return isinstance(value, _IMMUTABLE)
-
-
 def _replaying_forward(
-    block: nn.Module, original: Callable[..., Any], session: _Session
+    block: nn.Module, original: Callable[..., Any], kinds: dict[Any, _Kind]
 ) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if getattr(_IN_TEMPLATE, "on", False) or not _may_replay():
+        if getattr(_IN_TEMPLATE, "on", False):
+            recorder = getattr(_IN_TEMPLATE, "recorder", None)
+            if recorder is None or _evidence.recorder() is not None:  # a block in the block
+                return original(*args, **kwargs)
+            # the template's first run (its probe) is recorded; its trace runs the same Python
+            # again, which reads the same and, where the first wrote nothing, writes nothing
+            _IN_TEMPLATE.recorder = None
+            with _evidence.recording(recorder):
+                out = original(*args, **kwargs)
+            if recorder.writes or recorder.refused is not None:
+                raise _NotReplayable("the template wrote, or read what cannot be compared")
+            return out
+        if not _may_replay():
             return original(*args, **kwargs)
-        structure = _structure(block)  # now: a parent may set an attribute before each call
-        if structure is None:
+        main = _evidence.recorder()
+        with _evidence.paused():
+            found = _replay_for(block, args, kwargs, kinds)
+        if found is None:
             return original(*args, **kwargs)
-        if structure not in session.reads:
-            session.reads[structure] = _reads_of(block)
-        reads = session.reads[structure]
-        leaves, spec = optree.tree_flatten((args, kwargs))
-        tensor_args = [x for x in leaves if isinstance(x, torch.Tensor)]
-        others = [x for x in leaves if not isinstance(x, torch.Tensor)]
-        # a cache object, say, or a list the block appends to: the template would change its
-        # own copy, rebuilt from the spec
-        if reads is None or not _plain_value(others) or _holds_mutable((args, kwargs)):
-            return original(*args, **kwargs)
-        state = {
-            **dict(block.named_parameters(remove_duplicate=False)),
-            **dict(block.named_buffers(remove_duplicate=False)),
-        }
-        names = tuple(state)
-        inputs = [*tensor_args, *state.values()]
-        try:
-            key = (
-                structure,
-                spec,
-                _hashable(others),
-                names,
-                tuple(map(_tensor_key, inputs)),
-                reads.values(),
-                _argument_reads(others, session),
-            )
-            hash(key)
-        except (TypeError, _NotReplayable):
-            return original(*args, **kwargs)
-        templates = session.templates
-        tracked = get_proxy_mode().tracer.tensor_tracker  # type: ignore[union-attr]
-        if any(tracked.get(_unwrapped(x)) is None for x in inputs):
-            return original(*args, **kwargs)
-        if key not in templates:
-            templates[key] = _template(block, spec, leaves, names, inputs)
-        template = templates[key]
-        if template is None:
-            return original(*args, **kwargs)
+        template, inputs = found
+        if main is not None:
+            main.absorb(template.reads, block)
         outs = _Replay.apply(_Call(template), *inputs)
         it = iter(outs)
         return optree.tree_unflatten(
@@ -634,7 +190,61 @@ def _replaying_forward(
             [next(it) if x is None else x for x in template.out_leaves],
         )
 
+    forward._fddp_installed = True  # type: ignore[attr-defined]
     return forward
+
+
+def _replay_for(
+    block: nn.Module, args: tuple, kwargs: dict[str, Any], kinds: dict[Any, _Kind]
+) -> tuple[_Template, list[torch.Tensor]] | None:
+    """The template this call of ``block`` replays and its tensors, or None: the block is
+    traced as it is."""
+    if any(getattr(block, hooks) for hooks in _HOOKS):
+        return None  # they run around this call: a template traced with them would run twice
+    if any(_own_lookup(type(m)) for m in block.modules()):
+        return None  # its attribute reads would not be recorded
+    leaves, spec = optree.tree_flatten((args, kwargs))
+    tensor_args = [x for x in leaves if isinstance(x, torch.Tensor)]
+    others = [x for x in leaves if not isinstance(x, torch.Tensor)]
+    # a cache object, say, or a list the block appends to: the template would change its
+    # own copy, rebuilt from the spec
+    if not _plain_value(others) or _holds_mutable((args, kwargs)):
+        return None
+    state = {
+        **dict(block.named_parameters(remove_duplicate=False)),
+        **dict(block.named_buffers(remove_duplicate=False)),
+    }
+    names = tuple(state)
+    inputs = [*tensor_args, *state.values()]
+    try:
+        key = (
+            _structure(block),
+            spec,
+            _hashable(others),
+            names,
+            tuple(map(_tensor_key, inputs)),
+        )
+        hash(key)
+    except (TypeError, _NotReplayable):
+        return None
+    tracked = get_proxy_mode().tracer.tensor_tracker  # type: ignore[union-attr]
+    if any(tracked.get(_unwrapped(x)) is None for x in inputs):
+        return None
+    kind = kinds.setdefault(key, _Kind())
+    paths = _evidence.module_paths(block)
+    for template in kind.templates:
+        if _evidence.first_difference(template.reads, block, paths) is None:
+            return template, inputs
+    if kind.closed or len(kind.templates) >= MAX_TEMPLATES:
+        kind.closed = True
+        return None
+    made = _template(block, spec, leaves, names, inputs, kind, paths)
+    return None if made is None else (made, inputs)
+
+
+def _own_lookup(kind: type) -> bool:
+    """Whether a module class looks its attributes up its own way (``__getattribute__``)."""
+    return any("__getattribute__" in vars(k) for k in kind.__mro__ if k not in (nn.Module, object))
 
 
 def _holds_mutable(arguments: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
@@ -709,20 +319,26 @@ def _template(
     leaves: list[Any],
     names: tuple[str, ...],
     inputs: list[torch.Tensor],
+    kind: _Kind,
+    paths: dict[int, str],
 ) -> _Template | None:
+    """The block's vjp traced alone, its forward's Python recorded (:mod:`_evidence`); None
+    where the recording found no evidence or a write (put back, so that the block is traced
+    as it is, as if the template had not run): no call of this kind is replayed then."""
     wants_grad = [x.requires_grad and x.is_floating_point() for x in inputs]
     metas = [(tuple(x.shape), x.stride(), x.dtype, x.device) for x in map(_unwrapped, inputs)]
     n_args = len(inputs) - len(names)
+    recorder = _evidence.Recorder(trace_code=True, paths=paths)
     result: list[Any] = []
 
     def trace() -> None:
-        _IN_TEMPLATE.on = True
+        _IN_TEMPLATE.on, _IN_TEMPLATE.recorder = True, recorder
         try:
             result.append(_trace_template(block, spec, leaves, names, n_args, metas, wants_grad))
         except Exception as e:  # the block is traced as it is instead
             result.append(e)
         finally:
-            _IN_TEMPLATE.on = False
+            _IN_TEMPLATE.on, _IN_TEMPLATE.recorder = False, None
 
     # the caller's context variables, which the block's code or torch's may read
     context = contextvars.copy_context()
@@ -730,7 +346,12 @@ def _template(
     thread.start()
     thread.join()
     found = result[0]
-    return found if isinstance(found, _Template) else None
+    if not isinstance(found, _Template) or recorder.writes or recorder.refused is not None:
+        kind.closed = True
+        return None
+    found.reads = list(recorder.reads.values())
+    kind.templates.append(found)
+    return found
 
 
 def _trace_template(

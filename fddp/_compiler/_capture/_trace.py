@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.fx.traceback as fx_traceback
 from torch import fx
+from torch._C._dynamo.guards import GlobalStateGuard
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -30,11 +31,20 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from fddp._base import _axes, _model_calls
 from fddp._base._errors import CaptureError, PrintWhileTracingWarning, UsageError
 from fddp._collectives._ops import process_axis
-from fddp._compiler._capture import _backward_mode, _remat_regions, _repeated, _user_frames
+from fddp._compiler._capture import (
+    _backward_mode,
+    _evidence,
+    _generators,
+    _guards,
+    _remat_regions,
+    _repeated,
+    _user_frames,
+)
 from fddp._compiler._capture._quick_record import QuickRecord
 from fddp._compiler._graph import remove_double_waits, storage
 from fddp._ranks import _runtime
@@ -65,6 +75,8 @@ class Captured:
     out_spec: optree.PyTreeSpec | None = None
     method: str = "make_fx"
     models: tuple[torch.nn.Module, ...] = ()
+    guards: _guards.Guards | None = None  # what the trace read, checked before a reuse
+    reads: list[_evidence.Read] | None = None  # the make_fx trace's recorded reads
 
 
 @contextlib.contextmanager
@@ -232,14 +244,20 @@ def trace_with_make_fx(
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = fake_inputs(fake_mode, [x for x, t in zip(leaves, is_tensor) if t])
     backward = _backward_mode.eager_backward() if fused_backward else contextlib.nullcontext()
+    recorder = _evidence.Recorder(trace_code=False)
     with (
         fake_mode,
         fx_traceback.preserve_node_meta(),
         backward,
         _use_lazy_graph_module(True),
+        _generators.watched() as draws,
+        _evidence.recording(recorder),  # the modules' attributes the trace reads
         _repeated.session(),  # the repeated blocks of fddp.functional models are traced once
     ):
         gm = _tracer(flat_step)(*fakes)
+    drawn = _generators.message(draws)
+    if drawn is not None:
+        raise _own_capture_error(drawn)
     mapping, k = [], 0
     for leaf in outputs["leaves"]:
         if isinstance(leaf, torch.Tensor):
@@ -248,7 +266,12 @@ def trace_with_make_fx(
         else:
             mapping.append(("const", leaf))
     return Captured(
-        _tidy(gm), list(range(len(fakes))), time.perf_counter() - start, mapping, outputs["spec"]
+        _tidy(gm),
+        list(range(len(fakes))),
+        time.perf_counter() - start,
+        mapping,
+        outputs["spec"],
+        reads=list(recorder.reads.values()),
     )
 
 
@@ -320,9 +343,11 @@ class DynamoCapture:
         positions = {id(t): i for i, t in enumerate(self._tensors)}
         inputs: list[int | torch.Tensor] = [positions.get(id(t), t) for t in example_inputs]
         aten = lower_to_aten(gm, example_inputs, fused_backward=self._fused_backward)
+        self._scalar_reads = [n for n in gm.graph.nodes if _reads_scalar(n)]
+        if self._scalar_reads and _sizes_from_data(aten.graph):
+            raise _sizes_from_data_error(self._scalar_reads[0])
         self._captured = Captured(aten, inputs, 0.0, method="dynamo")
         self._output_nodes = list(optree.tree_leaves(gm.graph.output_node().args[0]))
-        self._scalar_reads = [n for n in gm.graph.nodes if _reads_scalar(n)]
 
         def call(*graph_inputs: torch.Tensor) -> list[torch.Tensor]:
             if self._runner is None:
@@ -450,12 +475,41 @@ def _value_read_error(node: fx.Node, *, returned: bool) -> CaptureError:
     else:
         what = "reads a tensor's value into Python"
         why = "compile=True (Inductor) cannot compile that read; compile=False can."
-    error = CaptureError(
+    return _own_capture_error(
         f"fddp.data_parallel: the step {what} (.item(), float(t), int(t), .tolist() or "
         f".numpy()){where}\n{why} Return the tensor itself (`loss`, or `{{'loss': loss}}`) "
         "and call .item() on the step's result, outside the step; or pass trace=False to run "
         "the step eagerly."
     )
+
+
+def _sizes_from_data(graph: fx.Graph) -> bool:
+    """Whether a value in ``graph`` has a size read from a tensor's data."""
+    return any(
+        free_unbacked_symbols(leaf.shape)
+        for node in graph.nodes
+        for leaf in optree.tree_leaves(node.meta.get("val"))
+        if isinstance(leaf, torch.Tensor)
+    )
+
+
+def _sizes_from_data_error(node: fx.Node) -> CaptureError:
+    """The error for a step that sizes a tensor (a slice bound, a shape, a count) by a value it
+    read from a tensor at ``node``."""
+    frames = _stack_frames(node.meta.get("stack_trace") or "")
+    where = _user_frames.where(_user_frames.user_frame(frames))
+    return _own_capture_error(
+        "fddp.data_parallel: the step sizes a tensor by a value it reads from a tensor (a "
+        f"slice bound, a shape or a count from .item(), int(t), .tolist()){where}\n"
+        "A compiled program has fixed shapes, and this one would change with the data. Keep "
+        "the shape fixed and mask instead (torch.where, or multiply by (x > 0)), pad to a few "
+        "fixed sizes outside the step, or pass trace=False to run the step eagerly."
+    )
+
+
+def _own_capture_error(message: str) -> CaptureError:
+    """A :class:`CaptureError` fddp raises itself (no other capture is tried)."""
+    error = CaptureError(message)
     error.make_fx_error, error.dynamo_error = None, error
     return error
 
@@ -685,11 +739,29 @@ def capture(
         UsageError: a mistake fddp names itself, as it is.
         CaptureError: what both make_fx and Dynamo said.
     """
+    torch_state = GlobalStateGuard()  # as the step is called: autocast, grad mode ...
     with _model_calls.noting() as models:
         captured, dynamo = _capture_graph(
             fn, args, tensors, fused_backward=fused_backward, method=method
         )
-    return dataclasses.replace(captured, models=tuple(models)), dynamo
+    ran = tuple(models)
+    # a Dynamo capture records no reads: every attribute of the models it ran stands in
+    reads = captured.reads if captured.reads is not None else _evidence.state_reads(ran)
+    guards = _guards.Guards(reads, torch_state, _guards.module_names(ran), _constants(captured))
+    return dataclasses.replace(captured, models=ran, guards=guards, reads=None), dynamo
+
+
+def _constants(captured: Captured) -> frozenset[int]:
+    """The ids of the tensors a capture holds by reference: its constant inputs and the graph's
+    attributes."""
+    found = [t for t in captured.inputs if isinstance(t, torch.Tensor)]
+    if captured.graph is not None:
+        found += [
+            getattr(captured.graph, n.target)
+            for n in captured.graph.graph.nodes
+            if n.op == "get_attr" and isinstance(n.target, str)
+        ]
+    return frozenset(id(t) for t in found if isinstance(t, torch.Tensor))
 
 
 def capture_step(
@@ -719,7 +791,7 @@ def _capture_graph(
     try:
         if method != "dynamo":
             return trace_with_make_fx(fn, args, fused_backward=fused_backward), None
-    except UsageError:
+    except (UsageError, CaptureError):
         raise
     except Exception as e:
         make_fx_error = e
