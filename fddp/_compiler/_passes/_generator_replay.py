@@ -31,9 +31,7 @@ def generator_of(node: fx.Node) -> torch.Generator:
     return generator
 
 
-def draw_saving_state(
-    generator: torch.Generator, op: Any, /, *args: Any, **kwargs: Any
-) -> tuple:
+def draw_saving_state(generator: torch.Generator, op: Any, /, *args: Any, **kwargs: Any) -> tuple:
     """``op(*args, **kwargs)``, which draws from ``generator``, and the state it drew from
     (the op's own arguments name the generator too, hence positional-only parameters)."""
     state = generator.get_state()
