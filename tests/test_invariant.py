@@ -181,6 +181,37 @@ def test_default_mode_is_not_invariant_but_agrees_to_tolerance(runs):
         assert_trees_close(invariant["loss"], default["loss"], rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize(
+    "dtype, scale, bits",
+    [
+        (torch.float64, 1e-300, 40),  # below float32's range
+        (torch.float64, 1e300, 40),  # above it
+        (torch.float32, 1e-36, 22),  # near float32's least normal
+        (torch.float32, 1e30, 22),
+    ],
+)
+def test_precision_holds_over_the_whole_range_of_the_dtype(dtype, scale, bits):
+    """The exponent and the scales are computed in the leaf's own range: the mean over the
+    chunks keeps the promised bits below the leaf's largest magnitude, also where some chunks'
+    gradients are all zero (they leave the scale to the others)."""
+    w = torch.tensor([1.0, 0.5, -0.25], dtype=dtype)
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    x[:3] = 0  # three chunks with all-zero gradients
+
+    def loss_fn(w, x):
+        return ((x @ w) * scale).mean()
+
+    def step(w, x):
+        loss, grads = fddp.value_and_grad(loss_fn)(w, x)
+        return fddp.pmean(loss), fddp.pmean(grads)
+
+    reference = fddp.value_and_grad(loss_fn)(w, x)
+    found = fddp.data_parallel(step, invariant=1)(w, x)
+    for got, want in zip(found, reference):
+        assert got.dtype == dtype and torch.isfinite(got).all()
+        assert_trees_close(got, want, rtol=0, atol=2.0**-bits * float(want.abs().max()))
+
+
 def test_errors_name_the_fix():
     step, params, buffers, opt_state = _setup("transformer")
     batch = {k: v[:5] for k, v in _data("transformer", 0).items()}

@@ -14,7 +14,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp._base import _axes
+from fddp._base import _axes, _invariant_marks
 from fddp._base._axes import DEFAULT_AXIS
 from fddp._base._errors import ReplicaMismatchError, RetraceWarning, UsageValueError
 from fddp._base._tree import leaves_with_paths, path_str
@@ -399,7 +399,8 @@ def _kind(x: torch.Tensor) -> str:
 
 
 def _inner_step(step_fn: Callable[..., Any], rule: _Rule, params: Any, args: tuple) -> tuple:
-    out = step_fn(params, *args)
+    with _invariant_marks.entered(None):  # per-rank by design: an fddp.Loss of its own batch
+        out = step_fn(params, *args)
     if not isinstance(out, tuple) or not out:
         raise TypeError(
             f"{rule.name}: the step must return a tuple whose first element is the new "

@@ -627,7 +627,8 @@ def _data_parallel(
             )
         _invariant.check_backend(backend)
         described.append(("option invariant", repr(chunked)))
-        step_fn = _invariant.wrapped(chunked, axis_name, step_fn, sub_axes=tuple(more_axes))
+    # the step's reduction context: the invariant mode's, else the one an fddp.Loss sums over
+    step_fn = _invariant.wrapped(chunked, axis_name, step_fn, sub_axes=tuple(more_axes))
     return DataParallelStep(
         step_fn,
         axis_name=axis_name,

@@ -449,11 +449,11 @@ def _save_rng_state(graph: fx.Graph, node: fx.Node) -> tuple[Callable, tuple, tu
     op, args, kwargs = node.target, node.args, dict(node.kwargs)
     assert isinstance(op, torch._ops.OpOverload)
     generator = _generator_replay.generator_argument(node)
-    if generator is None:
-        save, replay, lead = _SAVE_RNG, _REPLAY_RNG, ()
-    else:
+    lead: tuple[fx.Node, ...] = () if generator is None else (generator,)
+    save: Callable[..., Any] = _SAVE_RNG
+    replay: Callable[..., Any] = _REPLAY_RNG
+    if generator is not None:
         save, replay = _generator_replay.draw_saving_state, _generator_replay.draw_with_state
-        lead = (generator,)
     with graph.inserting_before(node):
         both = graph.call_function(save, (*lead, op, *args), kwargs)
         state = graph.call_function(operator.getitem, (both, 0))
