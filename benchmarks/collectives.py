@@ -5,7 +5,7 @@ reduce-scatter (the backend's own, and as an all-to-all plus a local sum), all-g
 
 Prints the median milliseconds per call of each, per tensor size (float32, the full tensor's
 size: the all-gather's output, the reduce-scatter's input). fddp's ``psum_scatter`` chooses its
-gloo form from these figures (``fddp/_collectives.py``).
+gloo form from these figures (``fddp/_collectives/_ops.py``).
 """
 
 from __future__ import annotations

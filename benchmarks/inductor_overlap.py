@@ -8,10 +8,11 @@ gradients, AdamW) is captured once per variant with fddp's own capture (make_fx,
 per gradient leaf), then scheduled by:
 
 - **captured**: nothing; each per-leaf all-reduce is waited on where the trace put its wait.
-- **fddp**: fddp's passes as ``data_parallel(step, donate_argnums=(0, 1))`` runs them (bucket at
-  the cost model's cap, overlap, optimizer split, gate, in-place buckets and updates).
-- **fddp-functional**: the same bucket and overlap passes without reinplacing (the graph fddp
-  hands to Inductor for ``compile=True``): scheduling alone, every update out of place.
+- **fddp**: the graph ``data_parallel(step, donate_argnums=(0, 1))`` runs (``pstep.graph``:
+  bucket at the cost model's cap, overlap, optimizer split, gate, in-place buckets and updates).
+- **fddp-functional**: the graph ``data_parallel(step, compile=True)`` hands to Inductor
+  (``pstep.graph``): the same bucket and overlap passes without reinplacing, scheduling alone,
+  every update out of place.
 - **inductor**: ``torch._inductor.fx_passes.overlap_scheduling.schedule_overlap_bucketing`` with
   collective bucketing on, its analytical estimators (the defaults do not run on CPU: see
   ``probe``) fed with this machine's compute figures, its own bucket limit (2 GB).
@@ -23,7 +24,7 @@ per gradient leaf), then scheduled by:
 - **inductor-bucket**: ``bucket_all_reduce`` with the waits sunk to their first use by
   ``ddp_fusion.schedule_comm_wait`` (Inductor's DDP wait sinking).
 
-Every graph runs as Python code the way fddp's "fx" backend runs it (``_backend.fx_runner``),
+Every graph runs as Python code the way fddp's "fx" backend runs it (``fx_runner``),
 timed in interleaved blocks; the report gives per variant the median step (slowest rank), the
 ratio to fddp paired by round, the buckets, and how much compute sits between each launch and
 its wait (compute nodes, matmul-class nodes, and seconds of compute by fddp's cost model), and a
@@ -64,13 +65,11 @@ from workloads import WORKLOADS, build_model, param_count, rank_batches
 
 import fddp
 import fddp.optim as optim
-from fddp._base import _axes
-from fddp._compiler import _backend, _pipeline
-from fddp._compiler._capture._trace import Captured, capture
+from fddp._compiler._backend import fx_runner
+from fddp._compiler._capture._trace import Captured, capture_step
 from fddp._compiler._graph import is_compute
-from fddp._compiler._passes import _bucket, _cost
-from fddp._ranks import _machine
-from fddp._step._data_parallel import _donated_leaves
+from fddp._compiler._passes._cost import node_seconds
+from fddp._ranks._machine import Machine, measured
 
 VARIANTS = (
     "captured",
@@ -116,7 +115,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 @contextlib.contextmanager
-def cpu_figures(machine: _machine.Machine) -> Iterator[None]:
+def cpu_figures(machine: Machine) -> Iterator[None]:
     """Inductor's roofline reads the GPU's DRAM bandwidth from Triton (absent with CPU torch:
     ModuleNotFoundError) and its peak FLOP/s from a datasheet (0 on CPU): give it this
     machine's measured figures instead."""
@@ -148,10 +147,10 @@ def _is_wait(node: fx.Node) -> bool:
     return isinstance(op, torch._ops.OpOverload) and op._opname == "wait_tensor"
 
 
-def fddp_costs(machine: _machine.Machine) -> Callable[[fx.Node, int | None], float | None]:
+def fddp_costs(machine: Machine) -> Callable[[fx.Node, int | None], float | None]:
     """``custom_runtime_estimation`` for Inductor from fddp's measured cost model (ms): an
     all-reduce costs the link's latency plus its bytes over the measured bandwidth; any other
-    node, what ``fddp._compiler._passes._cost`` predicts for it."""
+    node, what fddp's cost model (``node_seconds``) predicts for it."""
 
     known: dict[fx.Node, float] = {}
 
@@ -162,7 +161,7 @@ def fddp_costs(machine: _machine.Machine) -> Callable[[fx.Node, int | None], flo
         if node.op != "call_function" or _is_wait(node):
             return None
         if node not in known:  # the graph's nodes, predicted together
-            known.update(zip(node.graph.nodes, _cost.node_seconds(node.graph, machine)))
+            known.update(zip(node.graph.nodes, node_seconds(node.graph, machine)))
         return known[node] * 1e3
 
     return estimate
@@ -192,7 +191,7 @@ def _where(e: BaseException) -> str:
     return f"{f.filename[f.filename.rfind('torch/') :]}:{f.lineno} in {f.name}"
 
 
-def probe(fresh: Callable[[], fx.GraphModule], machine: _machine.Machine) -> list[dict[str, Any]]:
+def probe(fresh: Callable[[], fx.GraphModule], machine: Machine) -> list[dict[str, Any]]:
     """Inductor's pass as shipped, then with one obstacle removed at a time: what each says."""
     from torch._inductor.fx_passes import overlap_scheduling as osched
 
@@ -254,33 +253,20 @@ def probe(fresh: Callable[[], fx.GraphModule], machine: _machine.Machine) -> lis
 def schedule(
     variant: str,
     captured: Captured,
-    pstep: Any,
-    donated: set[int],
-    machine: _machine.Machine,
-    caps: dict[str, int],
+    fddp_graphs: dict[str, fx.GraphModule],
+    machine: Machine,
+    caps: dict[str, Any],
 ) -> fx.GraphModule:
-    """``captured``'s graph scheduled by ``variant`` (rewritten in place and returned)."""
+    """``captured``'s graph scheduled by ``variant`` (rewritten in place and returned); fddp's
+    variants are the graphs its steps run (``fddp_graphs``)."""
     from torch._inductor.fx_passes import bucketing, ddp_fusion
     from torch._inductor.fx_passes.overlap_scheduling import schedule_overlap_bucketing
 
     gm = captured.graph
     if variant == "captured":
         return gm
-    if variant in ("fddp", "fddp-functional"):
-        options = pstep._options  # what data_parallel(step, donate_argnums=(0, 1)) runs
-        if variant == "fddp-functional":  # the passes fddp runs before handing it to Inductor
-            options = _pipeline.Options(options.cap, options.comm_dtype, "inductor")
-        real_assign = _bucket.assign
-
-        def assign(members: list, cap: int, first: int) -> list:
-            caps.update(cap=cap, first=first)
-            return real_assign(members, cap, first)
-
-        with mock.patch.object(_bucket, "assign", assign):
-            program = _pipeline.schedule_graph(
-                captured, options, donated if variant == "fddp" else set(), machine
-            )
-        return program.graph
+    if variant in fddp_graphs:
+        return fddp_graphs[variant]
     if variant == "inductor":
         with cpu_figures(machine):
             return schedule_overlap_bucketing(
@@ -324,10 +310,10 @@ def _matmul_like(node: fx.Node) -> bool:
     return name in _MATMUL_LIKE or name.startswith("_scaled_dot_product")
 
 
-def describe(graph: fx.Graph, machine: _machine.Machine) -> dict[str, Any]:
+def describe(graph: fx.Graph, machine: Machine) -> dict[str, Any]:
     """Per collective: bytes and what runs between its launch and its wait; and the step as
     fddp's cost model replays this order (compute and wire as two queues)."""
-    seconds = dict(zip(graph.nodes, _cost.node_seconds(graph, machine)))
+    seconds = dict(zip(graph.nodes, node_seconds(graph, machine)))
     compute = mm = 0
     spent = 0.0
     launched: dict[fx.Node, tuple[int, int, float]] = {}
@@ -384,7 +370,7 @@ _COUNTERS = (
 )
 
 
-def estimates(graph: fx.Graph, machine: _machine.Machine) -> dict[str, float]:
+def estimates(graph: fx.Graph, machine: Machine) -> dict[str, float]:
     """All the graph's all-reduces, in ms: Inductor's analytical (NCCL) estimate against fddp's
     model of this link (measured latency and bandwidth)."""
     from torch._inductor.fx_passes.overlap_scheduling import estimate_collective_time
@@ -428,30 +414,36 @@ def run_workload(name: str, variants: list[str], args: argparse.Namespace) -> di
     pstep = fddp.data_parallel(step, donate_argnums=(0, 1), bucket_cap_mb=args.bucket_mb)
     batch = rank_batches(workload, dist.get_world_size(), dist.get_rank(), device)[0]
     state = (params, opt.init(params), buffers, batch)
-    machine = _machine.measured(None, device)  # what fddp's default cap is chosen from
-    axis = pstep._axis(traced=True)
+    machine = measured(None, device)  # what fddp's default cap is chosen from
     tensors0 = [x for x in optree.tree_leaves(state) if isinstance(x, torch.Tensor)]
 
     def fresh() -> Captured:
-        with _axes.bind(axis):
-            return capture(step, state, tensors0, fused_backward=True)[0]
+        return capture_step(step, state)
 
     result: dict[str, Any] = {"params": param_count(model), "machine": str(machine)}
     result["loadavg_start"] = os.getloadavg()
     result["probe"] = probe(lambda: fresh().graph, machine)
     result["collective_estimates"] = estimates(fresh().graph.graph, machine)
 
-    caps: dict[str, int] = {}
+    # the graphs fddp's steps run (their inputs are a fresh capture's: the step is the same),
+    # and the seconds of their passes: graph() less the capture
+    functional = fddp.data_parallel(step, compile=True, bucket_cap_mb=args.bucket_mb)
+    fddp_graphs, passes_s = {}, {}
+    for v, variant_step in (("fddp", pstep), ("fddp-functional", functional)):
+        start = time.perf_counter()
+        fddp_graphs[v] = variant_step.graph(*state)
+        seconds = time.perf_counter() - start
+        passes_s[v] = seconds - variant_step.schedule(*state).capture_seconds
+    caps: dict[str, Any] = {"bucket_cap": pstep.schedule(*state).bucket_cap}
     order = ["fddp"] + [v for v in variants if v != "fddp"]  # fddp first: the caps come from it
     inputs, runners, info = {}, {}, {}
-    donated = _donated_leaves(state, (0, 1))
     for v in order:
         captured = fresh()
         before = {k: counters["inductor"][k] for k in _COUNTERS}
         start = time.perf_counter()
         error = None
         try:
-            gm = schedule(v, captured, pstep, donated, machine, caps)
+            gm = schedule(v, captured, fddp_graphs, machine, caps)
             gm.graph.lint()
         except Exception as e:
             error = f"{type(e).__name__}: {str(e).splitlines()[0]} ({_where(e)})"
@@ -459,7 +451,7 @@ def run_workload(name: str, variants: list[str], args: argparse.Namespace) -> di
         if any(errors):
             info[v] = {"error": next(e for e in errors if e)}
             continue
-        seconds = time.perf_counter() - start
+        seconds = passes_s.get(v, time.perf_counter() - start)
         info[v] = {"pass_s": seconds, **describe(gm.graph, machine), "inductor_counters": {}}
         for key in _COUNTERS:
             info[v]["inductor_counters"][key] = counters["inductor"][key] - before.get(key, 0)
@@ -467,7 +459,7 @@ def run_workload(name: str, variants: list[str], args: argparse.Namespace) -> di
             caps["largest"] = max(info[v]["bytes"])
         copy = [x.clone() for x in tensors0]  # each variant its own state (fddp's is in place)
         inputs[v] = [copy[i] if isinstance(i, int) else i for i in captured.inputs]
-        runners[v] = _backend.fx_runner(gm)
+        runners[v] = fx_runner(gm)
     kept = [v for v in variants if v in runners]
 
     # parity: one step from the same state, every output against the captured graph's
@@ -566,9 +558,14 @@ def tables(regime: str, result: dict[str, Any]) -> str:
         ref = variants.get("fddp", {}).get("times_s")
         functional = variants.get("fddp-functional", {}).get("times_s")
         cap = w["caps"]
+        if "bucket_cap" in cap:  # "bucket cap 1.5 MiB, chosen by ..."
+            chosen = cap["bucket_cap"].split(",")[0]
+        else:  # a result file written before the cap came from schedule()
+            chosen = f"cap {cap.get('cap', 0) / MIB:.3g} MiB, first bucket "
+            chosen += f"{cap.get('first', 0) / MIB:.3g} MiB"
         lines += [
-            f"**{name}** ({w['params'] / 1e6:.1f}M params; machine: {w['machine']}; fddp's cap "
-            f"{cap.get('cap', 0) / MIB:.3g} MiB, first bucket {cap.get('first', 0) / MIB:.3g} MiB; "
+            f"**{name}** ({w['params'] / 1e6:.1f}M params; machine: {w['machine']}; fddp's "
+            f"{chosen}; "
             f"{w['wall_s']:.0f} s; load average {w['loadavg_start'][0]:.1f} at the start, "
             f"{w['loadavg_end'][0]:.1f} at the end)",
             "",

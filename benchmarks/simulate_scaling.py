@@ -56,7 +56,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-import optree
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
@@ -67,9 +66,7 @@ import workloads
 
 import fddp
 import fddp.optim as optim
-from fddp._base import _axes
 from fddp._base._annotations import BUCKET
-from fddp._collectives import _ops
 from fddp._collectives._bucket_policy import (
     DDP_CAP_BYTES,
     FIRST_CAP_BYTES,
@@ -77,11 +74,11 @@ from fddp._collectives._bucket_policy import (
     candidates,
     rule_of_thumb,
 )
-from fddp._compiler._capture._trace import capture
+from fddp._compiler._capture._trace import capture_step
 from fddp._compiler._graph import is_collective, is_compute, is_wait, nbytes
-from fddp._compiler._passes import _bucket, _cost, _overlap
-from fddp._ranks import _machine
-from fddp._ranks._machine import Machine
+from fddp._compiler._passes import _bucket, _overlap
+from fddp._compiler._passes._cost import node_seconds, predictor
+from fddp._ranks._machine import Machine, measure, measured
 
 MIB = 2**20
 WORLDS = tuple(2**k for k in range(3, 11))  # 8 ... 1024
@@ -221,9 +218,7 @@ def capture_model(spec: ModelSpec) -> Captured:
     opt = optim.adamw(lr=1e-3, weight_decay=0.01)
     tokens = torch.zeros(spec.batch, spec.seq, dtype=torch.long, device="meta")
     args = (params, opt.init(params), buffers, (tokens, tokens))
-    tensors = [t for t in optree.tree_leaves(args) if isinstance(t, torch.Tensor)]
-    with _axes.bind(_ops.process_axis("data", None, traced=True)):
-        captured = capture(_training_step(model, opt), args, tensors, fused_backward=True)[0]
+    captured = capture_step(_training_step(model, opt), args)
     count = sum(p.numel() for p in params.values())
     return Captured(spec, captured.graph, count, list(params), time.perf_counter() - start)
 
@@ -317,11 +312,11 @@ def node_costs(
     and backward move ``activation_bytes`` of the recorded (fp32) bytes, the optimizer all.
     """
     if not asynchronous:
-        return [Compute(0.0, s) for s in _cost.node_seconds(graph, machine)]
+        return [Compute(0.0, s) for s in node_seconds(graph, machine)]
     free = dataclasses.replace(machine, seconds_per_node=0.0)
-    full = _cost.node_seconds(graph, free)
+    full = node_seconds(graph, free)
     per_byte = machine.seconds_per_byte_moved * activation_bytes
-    light = _cost.node_seconds(graph, dataclasses.replace(free, seconds_per_byte_moved=per_byte))
+    light = node_seconds(graph, dataclasses.replace(free, seconds_per_byte_moved=per_byte))
     tail = downstream_of_waits(graph)
     return [
         Compute(machine.seconds_per_node if is_compute(n) else 0.0, f if n in tail else a)
@@ -545,7 +540,7 @@ def fddp_choice(analysed: Analysed, machine: Machine) -> tuple[int, float]:
     """fddp's own default: ``CapPolicy`` with ``_cost.predictor`` on the captured graph, as
     ``_pipeline.schedule_graph`` calls them; the cap and the cost model's predicted seconds."""
     members = analysed.members
-    predict = _cost.predictor(analysed.predict_graph, members, FIRST_CAP_BYTES, machine)
+    predict = predictor(analysed.predict_graph, members, FIRST_CAP_BYTES, machine)
     choice = CapPolicy(None, FIRST_CAP_BYTES).choose(_bucket.total_bytes(members), machine, predict)
     return choice.cap, predict(choice.cap)
 
@@ -714,9 +709,9 @@ def _validate_rank(
                 times[name].append(time.perf_counter() - start)
                 cpu[name].append(time.process_time() - cpu_start)
         if i >= 3:
-            probes.append(dataclasses.astuple(_machine.measure(None, device)))
+            probes.append(dataclasses.astuple(measure(None, device)))
     slowest = {k: [max(s) for s in zip(*compare_ddp._gather(v))] for k, v in times.items()}
-    chose_with = _machine.measured(None, device)  # the one probe fddp chose its cap from
+    chose_with = measured(None, device)  # the one probe fddp chose its cap from
     machine = Machine(*(statistics.median(column) for column in zip(*probes)))
     graph = pstep.graph(*state, batches[0]).graph
     plan = pstep.schedule(*state, batches[0])

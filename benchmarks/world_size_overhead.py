@@ -3,13 +3,13 @@
     python benchmarks/world_size_overhead.py [--world-sizes 2,4,8,16] [--rounds 40] [--block 5]
 
 Every call of a ``data_parallel`` step after the first checks that the ranks agree on what they
-call (``fddp/_call_check.py``: the arguments' signature, ``fddp/_signature.py``, and the step's
-options, one all-reduce of a 56-bit digest); the first call with a signature also compares the
-replicated arguments' digests and all-gathers every tensor argument's digest
-(``fddp/_agree.py``, ``fddp/_digests.py``) to learn which are per rank. Timed per world size,
-on gloo loopback, beside a bare ``dist.all_reduce`` of one float for scale (median and p90 of
-the slowest rank's time per call, microseconds; the probes take turns in blocks of calls, each
-round in another order, with a barrier before every call):
+call (``fddp/_step/_call_check.py``: the arguments' signature, ``fddp/_ranks/_signature.py``,
+and the step's options, one all-reduce of a 56-bit digest); the first call with a signature
+also compares the replicated arguments' digests and all-gathers every tensor argument's digest
+(``fddp/_ranks/_agree.py``, ``fddp/_ranks/_digests.py``) to learn which are per rank. Timed per
+world size, on gloo loopback, beside a bare ``dist.all_reduce`` of one float for scale (median
+and p90 of the slowest rank's time per call, microseconds; the probes take turns in blocks of
+calls, each round in another order, with a barrier before every call):
 
 - ``all_reduce``: ``dist.all_reduce`` of one float32, the scale;
 - ``digest check``: the check's own collective (``DigestCheck``: an all-reduce of two int64);

@@ -25,35 +25,31 @@ from typing import Any
 
 from fddp._base import _types
 from fddp._base._types import GradientTransformation
+from fddp._optim._alias import adam, adamw, sgd
+from fddp._optim._clipping import clip_by_global_norm, global_norm
+from fddp._optim._combine import MaskedState, chain, masked
 from fddp._optim._finite import ApplyIfFiniteState, all_finite, apply_if_finite
-from fddp._optim._transforms import (
+from fddp._optim._schedule import (
+    constant_schedule,
+    cosine_decay_schedule,
+    linear_schedule,
+    warmup_cosine_decay_schedule,
+)
+from fddp._optim._transform import (
     EmptyState,
-    InjectHyperparamsState,
-    MaskedState,
     ScaleByAdamState,
     ScaleByScheduleState,
     TraceState,
-    adam,
-    adamw,
     add_decayed_weights,
-    apply_updates,
-    chain,
-    clip_by_global_norm,
-    constant_schedule,
-    cosine_decay_schedule,
-    global_norm,
     identity,
-    inject_hyperparams,
-    linear_schedule,
-    masked,
     scale,
     scale_by_adam,
     scale_by_learning_rate,
     scale_by_schedule,
-    sgd,
     trace,
-    warmup_cosine_decay_schedule,
 )
+from fddp._optim._update import apply_updates
+from fddp._optim._wrappers import InjectHyperparamsState, inject_hyperparams
 from fddp._sharding import ShardedState, shard_state, state_bytes
 
 __all__ = [

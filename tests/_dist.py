@@ -477,8 +477,8 @@ class _Run:
 
 # Imported once by the fork server, so that no rank imports them again (about 2 s of CPU per
 # rank otherwise). Not Dynamo, nor torch.distributed.nn, which Dynamo imports: a rank imports
-# those after fddp.init(), as a fresh script does (see fddp/_shutdown.py), and exits through the
-# interpreter's normal shutdown.
+# those after fddp.init(), as a fresh script does (see fddp/_ranks/_shutdown.py), and exits
+# through the interpreter's normal shutdown.
 DYNAMO_FREE_IMPORTS = (  # what Dynamo imports that has nothing to do with torch.distributed
     "numpy",
     "sympy",

@@ -90,7 +90,7 @@ def _forked_launches(parallel: int, timeout: float, ends: list[str]) -> None:
     for module in DYNAMO_FREE_IMPORTS:
         importlib.import_module(module)
     # A fresh script imports these only after fddp.init(), which is what pins the process group
-    # (see fddp/_shutdown.py); forked ranks must start from the same state.
+    # (see fddp/_ranks/_shutdown.py); forked ranks must start from the same state.
     assert "torch._dynamo" not in sys.modules and "torch.distributed.nn" not in sys.modules
     # What exists now is shared by every forked rank and lives until it exits: out of the
     # collector's reach, a rank's collections and its interpreter's shutdown do not walk (and

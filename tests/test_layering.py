@@ -6,13 +6,14 @@ import ast
 import dataclasses
 import functools
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = ROOT / "fddp"
+from docs.house import PACKAGE, PICTURE, ROOT, fddp_imports, modules, svg, target_module
+
 PAGE = ROOT / "docs" / "architecture.md"
 TABLE_HEADING = "## Layers"
 COMPILER_HEADING = "## Rooms of the compiler"
+DEVELOPER_HEADING = "## Developer entry points"
+BENCHMARKS = ROOT / "benchmarks"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,12 +21,6 @@ class Layer:
     name: str
     entries: tuple[str, ...]  # "_batches" is fddp/_batches.py, "_compiler/" every module under it
     may_import: frozenset[str]  # besides its own layer
-
-
-@dataclasses.dataclass(frozen=True)
-class Import:
-    target: str  # a module of fddp, dotted: "fddp._base._tree"
-    line: int
 
 
 def _cells(row: str) -> list[str]:
@@ -52,24 +47,14 @@ def layers() -> tuple[Layer, ...]:
     header, *body = _table(TABLE_HEADING)
     assert header[:3] == ["Layer", "Rooms", "May import"], header
     table = []
-    for name, modules, may, *_ in body:
+    for name, rooms, may, *_ in body:
         below = set() if may == "nothing" else {m.strip() for m in may.split(",")}
-        table.append(Layer(name, tuple(re.findall(r"`([^`]+)`", modules)), frozenset(below)))
+        table.append(Layer(name, tuple(re.findall(r"`([^`]+)`", rooms)), frozenset(below)))
     return tuple(table)
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-@functools.cache
-def modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
-
-
 def entry_of(module: str) -> str:
-    """How the table writes ``module``: "_tree", "__init__", "_compiler/_bucket"."""
+    """How the table writes ``module``: "_base/_tree", "__init__", "_compiler/_passes/_bucket"."""
     rest = module.removeprefix("fddp").removeprefix(".")
     return rest.replace(".", "/") or "__init__"
 
@@ -83,40 +68,6 @@ def matches(entry: str, module: str) -> bool:
 
 def layer_of(module: str) -> list[Layer]:
     return [layer for layer in layers() if any(matches(e, module) for e in layer.entries)]
-
-
-def fddp_imports(path: Path) -> list[Import]:
-    """The fddp modules ``path`` imports, at module level and inside functions alike."""
-    module = module_name(path)
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found += [Import(a.name, node.lineno) for a in node.names if _ours(a.name)]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                source = ".".join(base + ([node.module] if node.module else []))
-            else:
-                source = node.module or ""
-            if not _ours(source):
-                continue
-            for alias in node.names:  # ``from fddp import _tree`` imports the module
-                submodule = f"{source}.{alias.name}"
-                target = submodule if submodule in modules() else source
-                found.append(Import(target, node.lineno))
-    return [i for i in found if i.target != module]
-
-
-def _ours(name: str) -> bool:
-    return name == "fddp" or name.startswith("fddp.")
-
-
-def _target_module(name: str) -> str:
-    """The module an import resolves to: ``import fddp._compiler._plan`` is that module."""
-    while name not in modules() and "." in name:
-        name = name.rpartition(".")[0]
-    return name
 
 
 def test_the_table_is_ordered_bottom_up():
@@ -163,7 +114,7 @@ def test_each_module_imports_only_from_the_layers_it_may():
             continue  # reported by test_every_module_is_in_exactly_one_layer
         allowed = layer.may_import | {layer.name}
         for imp in fddp_imports(path):
-            target = _target_module(imp.target)
+            target = target_module(imp.target)
             (other,) = layer_of(target) or [None]
             if other is not None and other.name not in allowed:
                 problems.append(
@@ -176,7 +127,7 @@ def test_each_module_imports_only_from_the_layers_it_may():
 
 def test_no_import_circles():
     graph = {
-        module: {_target_module(i.target) for i in fddp_imports(path)}
+        module: {target_module(i.target) for i in fddp_imports(path)}
         for module, path in modules().items()
     }
     done: set[str] = set()
@@ -223,7 +174,7 @@ def test_the_compiler_imports_only_rooms_before_its_own():
         if mine is None:
             continue
         for imp in fddp_imports(path):
-            target = _target_module(imp.target)
+            target = target_module(imp.target)
             theirs = compiler_room_of(target)
             if theirs is not None and theirs > mine:
                 problems.append(
@@ -243,3 +194,58 @@ def test_the_top_level_names_concepts():
         if (p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists()))
     }
     assert present <= named, f"top-level entries missing from the layer table: {present - named}"
+
+
+def developer_entry_points() -> dict[str, frozenset[str]]:
+    """The table under ``## Developer entry points``: private module -> the names benchmarks
+    may use of it."""
+    header, *body = _table(DEVELOPER_HEADING)
+    assert header[:2] == ["Module", "Names"], header
+    return {
+        re.findall(r"`([^`]+)`", module)[0]: frozenset(re.findall(r"`([^`]+)`", names))
+        for module, names, *_ in body
+    }
+
+
+def _private(module: str) -> bool:
+    return any(part.startswith("_") for part in module.split(".")[1:])
+
+
+def _attributes_of(tree: ast.AST, name: str) -> set[str]:
+    """The attributes a module uses of the name ``name`` it bound: ``_bucket.assign`` -> assign."""
+    return {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == name
+    }
+
+
+def test_benchmarks_use_only_public_names_and_developer_entry_points():
+    entry_points = developer_entry_points()
+    problems = []
+    for path in sorted(BENCHMARKS.glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for imp in fddp_imports(path):
+            if not _private(imp.target):
+                continue
+            used = {imp.name} if imp.name else _attributes_of(tree, imp.bound)
+            unlisted = sorted(used - entry_points.get(imp.target, frozenset()))
+            if unlisted or not used:
+                what = ", ".join(unlisted) or "the module itself"
+                problems.append(
+                    f"{path.relative_to(ROOT)}:{imp.line} uses {what} of {imp.target}, which is "
+                    "not a developer entry point: use the public API, or add the name to the "
+                    "table under 'Developer entry points' in docs/architecture.md with what it "
+                    "is for"
+                )
+    assert not problems, "\n".join(problems)
+
+
+def test_the_picture_of_the_house_is_the_one_its_imports_draw():
+    committed = PICTURE.read_text() if PICTURE.exists() else ""
+    assert committed == svg(), (
+        "docs/images/house.svg is not the house that fddp's imports draw now: run "
+        "python docs/house.py and commit the picture"
+    )

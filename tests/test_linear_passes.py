@@ -21,6 +21,7 @@ from _models import captured_step, mlp_step, regression_batch
 import fddp.optim as optim
 from fddp._collectives._bucket_policy import CapPolicy
 from fddp._compiler import _backend, _pipeline, _plan
+from fddp._compiler._options import CompileOptions
 from fddp._compiler._passes import _bucket, _cost, _gate, _overlap, _reinplace, _replication
 
 PASSES = {
@@ -75,7 +76,7 @@ def _visits(depth: int, opt, monkeypatch) -> tuple[int, collections.Counter]:
         for module, names in PASSES.items():
             for name in names:
                 patch.setattr(module, name, counted(name, getattr(module, name)))
-        options = _pipeline.Options(CapPolicy(fixed=1, first=1), None, "fx")
+        options = CompileOptions(CapPolicy(fixed=1, first=1), None, "fx")
         _pipeline.schedule_graph(captured, options, set(range(count)))
     return size, visits
 

@@ -237,11 +237,16 @@ def checks(jobs: Jobs):
 
 
 def _errors(checks, name: str, error: str) -> list[str]:
-    """The messages, after asserting every rank raised ``error`` well before any timeout."""
+    """The messages, after asserting every rank raised ``error``.
+
+    The kind of error is the proof that no rank waited for a timeout: a rank stuck in a
+    collective ends with the process group's error, or the spawn's timeout, never ``error``.
+    How long raising took is not asserted: it includes the first compile, which a loaded
+    machine can stretch to minutes.
+    """
     outcomes = checks.outcomes(name)
     for r, o in enumerate(outcomes):
         assert isinstance(o, Raised) and o.error == error, f"rank {r}: expected {error}, got {o}"
-        assert o.seconds < 60, f"rank {r} took {o.seconds:.1f} s to raise"
     return [o.message for o in outcomes]
 
 
@@ -353,7 +358,7 @@ def test_dead_rank_makes_the_survivor_raise_within_the_timeout(jobs):
     to_error, to_exit, error = _stall_times(job, 0)
     assert to_error < STALL_TIMEOUT_S, job.describe()
     assert to_exit < STALL_TIMEOUT_S + 60, job.describe()
-    assert error.startswith("(a RuntimeError)") and "Connection" in error, error
+    assert error.startswith("(a RuntimeError)"), error  # gloo's wording is not ours to pin
 
 
 def test_stuck_rank_makes_the_other_raise_after_the_timeout(jobs):
@@ -363,7 +368,7 @@ def test_stuck_rank_makes_the_other_raise_after_the_timeout(jobs):
     to_error, to_exit, error = _stall_times(job, 0)
     assert STALL_TIMEOUT_S / 2 < to_error < STALL_TIMEOUT_S + 15, job.describe()
     assert to_exit < STALL_TIMEOUT_S + 60, job.describe()
-    assert error.startswith("(a RuntimeError)") and "Timed out" in error, error
+    assert error.startswith("(a RuntimeError)"), error  # after the timeout, not at once
 
 
 def test_batch_shape_change_on_one_rank_raises_at_once(jobs):

@@ -3,6 +3,7 @@ the saved-for-backward bytes the policies promise, counted in the graph and meas
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 
@@ -12,13 +13,14 @@ import torch
 import torch.nn.functional as F
 from _compare import assert_trees_equal
 from _dist import run_checks
-from _models import captured_counting_replays
+from _models import captured_counting_replays, captured_step
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fddp
 from fddp._base._annotations import REMAT_NAME, REMAT_RECOMPUTED
 from fddp._compiler._passes import _rematerialize as remat_pass
+from fddp._ranks import _machine
 
 P = fddp.remat_policies
 LAYERS = 3
@@ -299,6 +301,23 @@ def test_memory_budget_meets_its_budget_within_ten_percent():
     budget = int(0.6 * found.saved_bytes_without)
     absolute = fddp.data_parallel(step, remat=P.memory_budget(bytes=budget))
     assert 0.9 * budget <= absolute.schedule(*args).remat.saved_bytes <= budget
+
+
+def test_memory_budget_weighs_recomputes_with_the_cost_models_machine():
+    """The budget ranks what to recompute by ``_cost``'s seconds on the machine it is given:
+    where a dispatch is dear it recomputes fewer ops than where dispatch is nearly free, and
+    both choices meet the budget."""
+    step, args = transformer_case()
+    recomputed = {}
+    for name, per_node in (("dear dispatch", 1e-3), ("free dispatch", 1e-10)):
+        machine = dataclasses.replace(_machine.DEFAULT, seconds_per_node=per_node)
+        graph = captured_step(step, args).graph.graph
+        plan = remat_pass.rematerialise(
+            graph, P.memory_budget(fraction=0.6), replay_rng=True, machine=machine
+        )
+        assert plan.saved_bytes <= 0.6 * plan.saved_bytes_without
+        recomputed[name] = sum(len(r.recomputed) for r in plan.regions)
+    assert recomputed["dear dispatch"] < recomputed["free dispatch"], recomputed
 
 
 def test_marked_regions_take_their_own_policy_or_the_steps():

@@ -1,4 +1,4 @@
-"""Repeated blocks traced once (``_compiler._repeated``): the graph written by replaying a
+"""Repeated blocks traced once (``_compiler._capture._repeated``): the graph written by replaying a
 block's template computes what make_fx's graph of every block computes, bitwise, with the same
 nodes; blocks that differ, or that run where a template could differ (hooks, autocast, Python
 objects among their arguments, in-place writes to their inputs or buffers), are traced as they

@@ -137,7 +137,7 @@ def gather_rows(
     """Concatenate ``x`` (at least 1-d) from every rank along dim 0.
 
     ``alone``: the caller guarantees that no other all-gather of the process runs while this
-    one does (``_compiler._param_gathers`` runs parameter gathers one at a time), so gloo's
+    one does (``_compiler._passes._param_gathers`` runs parameter gathers one at a time), so gloo's
     own all-gather is safe; it sends ``x`` where the all-to-all below sends ``size`` copies.
     """
     if size == 1:

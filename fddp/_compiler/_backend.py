@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import fx
 
+BACKENDS = ("fx", "inductor")  # run the scheduled FX graph, or compile it with Inductor
 Runner = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
 

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from fddp._base._names import qualified_name
+
 c10d = torch.ops._c10d_functional
 ALL_REDUCE = c10d.all_reduce.default
 ALL_REDUCE_INPLACE = c10d.all_reduce_.default
@@ -247,7 +249,7 @@ def comparable_lines(gm: fx.GraphModule) -> list[tuple[str, str]]:
 def _target(target: Any) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return str(target)
-    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', target)}"
+    return qualified_name(target)
 
 
 def _portable(value: Any) -> str:

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import torch
 import torch.distributed as dist
 
 from fddp._base._errors import ScheduleMismatchError
-from fddp._collectives._bucket_policy import CapPolicy, Choice
 from fddp._compiler import _backend, _plan
+from fddp._compiler._cache import _persistent
 from fddp._compiler._capture._trace import Captured, capture
 from fddp._compiler._graph import comparable_lines
+from fddp._compiler._options import CompileOptions
 from fddp._compiler._passes import (
     _across_steps,
     _bucket,
@@ -26,30 +29,14 @@ from fddp._compiler._passes import (
     _replication,
 )
 from fddp._compiler._program import Compiled, Program, collector_paused
-from fddp._func._remat import Policy
+from fddp._ranks import _machine, _runtime
 from fddp._ranks._agree import find_difference, raise_everywhere
 from fddp._ranks._machine import Machine
-
-BACKENDS = ("fx", "inductor")  # run the scheduled FX graph, or compile it with Inductor
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    cap: CapPolicy
-    comm_dtype: torch.dtype | None
-    backend: str  # one of BACKENDS
-    overlap_steps: bool = False
-    remat: Policy | None = None  # the step's rematerialisation policy (fddp.remat_policies)
-
-    @property
-    def in_place(self) -> bool:
-        """The FX backend runs buckets and updates in place; Inductor needs functional ops."""
-        return self.backend == "fx"
 
 
 def schedule_graph(
     captured: Captured,
-    options: Options,
+    options: CompileOptions,
     donated: set[int],
     machine: Machine | None = None,
     agreed_cap: int | None = None,
@@ -70,7 +57,7 @@ def schedule_graph(
     _overlap.hoist_gradient_sums(graph)
     members = _bucket.find_members(graph)
     profile = _cost.profile(graph, members)
-    cap = choose_cap(profile, options.cap, machine, agreed_cap)
+    cap = _cost.choose_cap(profile, options.cap, machine, agreed_cap)
     buckets = _bucket.assign(members, cap.cap, options.cap.first)
     in_place = options.in_place
     bucket_nodes = _bucket.rewrite(graph, buckets, options.comm_dtype, functional=not in_place)
@@ -113,53 +100,49 @@ def schedule_graph(
     )
 
 
-def choose_cap(
-    profile: _cost.Profile, policy: CapPolicy, machine: Machine | None, agreed: int | None = None
-) -> Choice:
-    """The bucket cap for a graph of ``profile`` (the cost model needs a ``machine``), or the
-    ``agreed`` one: the cap of the programs the persistent cache holds, which the ranks take
-    from rank 0 (``fddp._compiler._cache._persistent.proposal``)."""
-    machine = machine if profile.reductions else None
-    predict = profile.predictor(policy.first, machine) if machine else None
-    choice = policy.choose(_bucket.total_bytes(profile.reductions), machine, predict)
-    if agreed is None or agreed == choice.cap:
-        return choice
-    return Choice(
-        agreed,
-        "kept from the programs this step cached (fddp.set_cache_dir), which the cost model "
-        "chose when they were compiled",
-    )
-
-
 def compile_step(
     step_fn: Callable[..., Any],
     args: tuple,
     tensors: list[torch.Tensor],
-    options: Options,
+    options: CompileOptions,
     donated: set[int],
-    machine: Machine | None,
     group: dist.ProcessGroup | None,
     name: str,
-    cached: Callable[[], Compiled | None] | None = None,
-    agreed_cap: int | None = None,
+    *,
+    kept_as: _persistent.Identity | None = None,
     method: str = "make_fx",
     compare_graphs: bool = True,
 ) -> Compiled:
-    """Capture and schedule ``step_fn(*args)`` (or take what ``cached`` returns, a program
-    from the persistent cache), then compare the outcome across ranks.
+    """Capture and schedule ``step_fn(*args)``, or load its program from the persistent cache,
+    then compare the outcome across ranks (every rank of ``group`` at once).
+
+    Where the cost model chooses the bucket cap on several ranks, the link is measured on the
+    group's first compile, and every compile takes the cap rank 0 proposes (a broadcast:
+    ``_persistent.agreed_cap``). ``kept_as``: what the step's programs are kept under in the
+    persistent cache (``fddp.set_cache_dir``); None: they are not kept. A program found there
+    is loaded instead of compiled; one compiled is written there after its first run.
 
     ``method`` is how this step was captured before (see ``capture``). ``compare_graphs``: also
     compare the graphs node by node (not for steps over sharded state, whose graphs update each
-    rank's own shards). The ranks of ``group`` compare what they compiled (a collective): a
-    capture error on one rank is raised on every rank (``_agree.raise_everywhere``: the others
-    raise it as that rank's), and ranks that compiled different collective sequences raise
-    instead of running them into a hang.
+    rank's own shards). The ranks compare what they compiled (a collective): a capture error on
+    one rank is raised on every rank (``_agree.raise_everywhere``: the others raise it as that
+    rank's), and ranks that compiled different collective sequences raise instead of running
+    them into a hang.
     """
+    device = _device(tensors)
+    machine = None  # measured before a capture error can split the ranks
+    if options.cap.measures(_runtime.world_size(group)):
+        machine = _machine.measured(group, device)
+    key = agreed_cap = None
+    if kept_as is not None:
+        key = _persistent.key_for(kept_as, optree.tree_leaves(args), donated, group)
+        agreed_cap = _persistent.agreed_cap(key, options, machine, device, group)
     error: Exception | None = None
     compiled: Compiled | None = None
     try:
         with collector_paused():  # a capture and its passes allocate millions of objects
-            compiled = cached() if cached is not None else None
+            if key is not None:
+                compiled = _persistent.load(key, options, machine, device, agreed_cap)
             if compiled is None:
                 if options.remat is not None:  # the model's repeated blocks become regions
                     step_fn = _rematerialize.marking_blocks(step_fn)
@@ -168,6 +151,8 @@ def compile_step(
                 )
                 program = schedule_graph(captured, options, donated, machine, agreed_cap)
                 compiled = Compiled(program, captured, dynamo)
+                if key is not None:
+                    compiled.after_first_run = functools.partial(_persistent.save, key)
     except Exception as e:  # every rank must learn about it before anyone runs a collective
         error = e
     sequence = compiled.program.sequence if compiled else []
@@ -196,3 +181,9 @@ def compile_step(
         "issue the same collectives with the same shapes on every rank: check that every rank "
         "passes batches of the same shape and that no branch depends on the rank."
     )
+
+
+def _device(tensors: list[torch.Tensor]) -> torch.device:
+    """Where the step computes: its first floating-point argument's device."""
+    device = next((t.device for t in tensors if t.is_floating_point()), None)
+    return device or _runtime.local_device()

@@ -91,6 +91,9 @@ class Compiled:
     varying_tensors: list[bool] | None = None
     varying_outputs: dict[int, tuple[str, str]] | None = None
     from_cache: bool = False  # loaded from the persistent program cache
+    # what its first run that returns calls with it (writing it to the persistent cache: a
+    # Dynamo capture learns its outputs in that run), then forgets
+    after_first_run: Callable[[Compiled], None] | None = None
 
     @property
     def first_call(self) -> bool:
@@ -108,7 +111,15 @@ class Compiled:
         and before anything at all when no gate sits in the graph."""
         if self.dynamo is not None:
             settle()
-            return self._run_first(args, tensors, axes)
+            out = self._run_first(args, tensors, axes)
+        else:
+            out = self._run_program(tensors, settle)
+        after, self.after_first_run = self.after_first_run, None
+        if after is not None:
+            after(self)
+        return out
+
+    def _run_program(self, tensors: list[torch.Tensor], settle: Callable[[], None]) -> Any:
         program = self.program
         if not program.gated or program.across_steps is not None:
             settle()  # a merged program runs the last call's tail before its gate

@@ -5,10 +5,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import optree
 import torch
@@ -21,12 +20,13 @@ from fddp._base._tree import leaves_with_paths, path_str
 from fddp._base._types import GradientTransformation
 from fddp._collectives._ops import axis_index, axis_size, pmean
 from fddp._compiler._plan import Plan
-from fddp._optim._transforms import apply_updates, sgd
+from fddp._optim._alias import sgd
+from fddp._optim._update import apply_updates
 from fddp._ranks import _digests, _runtime
-from fddp._ranks._agree import Line, digest, find_difference
-from fddp._step._data_parallel import DataParallelStep, _data_parallel
-
-_DESCRIBED_LINES = 256  # lines beyond this many are compared as one digest
+from fddp._ranks._agree import Line, find_difference
+from fddp._ranks._described import digest_hex, tensor_kind
+from fddp._step._data_parallel import DataParallelStep
+from fddp._step._options import StepOptions, as_line, backend, by_name
 
 
 class LowCommState(NamedTuple):
@@ -183,116 +183,31 @@ def _outer_step(
 
 @dataclasses.dataclass(frozen=True)
 class _Rule:
-    """How a low-communication step synchronizes (the options, fixed at construction)."""
+    """How a low-communication step synchronizes: its options, fixed at construction, compared
+    across ranks on every call as the ``transform`` of its :class:`StepOptions` (floats by their
+    bits, the outer optimizer by the values its functions close over)."""
 
-    name: str
-    outer: GradientTransformation | None  # None: LocalSGD (average the parameters)
-    cadence: Cadence
+    LABEL: ClassVar[str] = "option"
+
+    name: str = dataclasses.field(metadata=as_line(label="the transform"))
+    step: Callable[..., Any] = dataclasses.field(metadata=by_name("the inner step"))
+    every: int
     fragments: int
+    delay: int
     mix: float
-    comm_dtype: torch.dtype | None
-    axis_name: str
+    comm_dtype: torch.dtype | None = dataclasses.field(
+        metadata=as_line(label="option comm_dtype of the outer gradients")
+    )
+    outer: GradientTransformation | None  # None: LocalSGD (average the parameters)
 
-
-def rule_lines(rule: _Rule, step_fn: Callable[..., Any]) -> list[Line]:
-    """How a low-communication step was built, as labelled lines the ranks compare on every
-    call: its options by value (floats by their exact bits) and the outer optimizer as the
-    values its functions close over (:func:`describe`)."""
-    inner = getattr(step_fn, "func", step_fn)  # a functools.partial: the function it binds
-    lines: list[Line] = [
-        (
-            "the inner step",
-            f"{getattr(inner, '__module__', '')}.{getattr(inner, '__qualname__', '')}",
-        ),
-        ("option every", repr(rule.cadence.every)),
-        ("option fragments", repr(rule.fragments)),
-        ("option delay", repr(rule.cadence.delay)),
-        ("option mix", _value(rule.mix)),
-        ("option comm_dtype of the outer gradients", repr(rule.comm_dtype)),
-    ]
-    if rule.outer is not None:
-        lines += describe(rule.outer, "option outer")
-    return lines
-
-
-def describe(obj: Any, label: str) -> list[Line]:
-    """``obj`` (an optimizer, a schedule: functions and what they close over) as lines, one
-    per value it holds, labelled by its path from ``label``: a function by its qualified name,
-    then each closure cell by its variable name and each default, recursively; containers by
-    item, other objects by their attributes; numbers by value (floats with their exact bits),
-    tensors by dtype, shape and a digest of their bits.
-
-    >>> import fddp
-    >>> describe(fddp.optim.scale(-0.7), "outer")[1]
-    ('outer.step_size', '-0.7 (-0x1.6666666666666p-1)')
-    """
-    lines: list[Line] = []
-    _describe(obj, label, lines, set())
-    if len(lines) <= _DESCRIBED_LINES:
-        return lines
-    rest = lines[_DESCRIBED_LINES - 1 :]
-    return [
-        *lines[: _DESCRIBED_LINES - 1],
-        (f"{label} (its last {len(rest)} values)", f"digest {digest(rest)}"),
-    ]
-
-
-def _value(x: Any) -> str:
-    return f"{x!r} ({x.hex()})" if isinstance(x, float) else repr(x)
-
-
-def _describe(obj: Any, label: str, lines: list[Line], seen: set[int]) -> None:
-    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, torch.dtype)):
-        lines.append((label, _value(obj)))
-        return
-    if isinstance(obj, torch.Tensor):
-        lines.append((label, f"tensor {_kind(obj)} digest {_hex(_digests.digests([obj])[0])}"))
-        return
-    if id(obj) in seen:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, GradientTransformation):
-        _describe(obj.update, label, lines, seen)
-        _describe(obj.init, f"{label}.init", lines, seen)
-    elif isinstance(obj, types.FunctionType):
-        lines.append((label, f"{obj.__module__}.{obj.__qualname__}"))
-        cells = zip(obj.__code__.co_freevars, obj.__closure__ or ())
-        for name, cell in cells:
-            with contextlib.suppress(ValueError):  # a cell not yet filled
-                _describe(cell.cell_contents, f"{label}.{name}", lines, seen)
-        defaults = obj.__defaults__ or ()
-        positional = obj.__code__.co_varnames[: obj.__code__.co_argcount]
-        for name, default in zip(positional[len(positional) - len(defaults) :], defaults):
-            _describe(default, f"{label}.{name}", lines, seen)
-        for name, default in (obj.__kwdefaults__ or {}).items():
-            _describe(default, f"{label}.{name}", lines, seen)
-    elif isinstance(obj, functools.partial):
-        _describe(obj.func, label, lines, seen)
-        _describe(obj.args, f"{label}.args", lines, seen)
-        _describe(obj.keywords, f"{label}.keywords", lines, seen)
-    elif isinstance(obj, (list, tuple)):
-        lines.append((label, f"{type(obj).__qualname__} of {len(obj)}"))
-        for i, item in enumerate(obj):
-            _describe(item, f"{label}[{i}]", lines, seen)
-    elif isinstance(obj, dict):
-        lines.append((label, f"{type(obj).__qualname__} of {len(obj)}"))
-        for key in sorted(obj, key=repr):
-            _describe(obj[key], f"{label}[{key!r}]", lines, seen)
-    elif isinstance(obj, (types.ModuleType, type)) or not hasattr(obj, "__dict__"):
-        lines.append((label, f"{type(obj).__module__}.{type(obj).__qualname__} {_qualname(obj)}"))
-    else:
-        lines.append((label, f"{type(obj).__module__}.{type(obj).__qualname__}"))
-        for name, value in sorted(vars(obj).items()):
-            _describe(value, f"{label}.{name}", lines, seen)
-
-
-def _qualname(obj: Any) -> str:
-    return getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or ""
+    @functools.cached_property
+    def cadence(self) -> Cadence:
+        return Cadence(self.every, fragment_offsets(self.every, self.fragments), self.delay)
 
 
 def _local_step(
-    step_fn: Callable[..., Any],
     rule: _Rule,
+    axis_name: str,
     phase: Phase,
     outer: _Outer,
     params: Any,
@@ -305,12 +220,12 @@ def _local_step(
     parameters are matched to the outer ones by path; fragments follow the outer ones' order.
     """
     if rule.outer is None:  # LocalSGD: every leaf in one fragment, averaged
-        out = _inner_step(step_fn, rule, params, args)
+        out = _inner_step(rule, params, args)
         if not phase.syncs:
             return (outer, *out, ())
         leaves, spec = optree.tree_flatten(out[0])
-        bad = _nonfinite_ranks(leaves, leaves[0].dtype, rule.axis_name)
-        *averaged, bad = pmean([*leaves, bad], rule.axis_name)
+        bad = _nonfinite_ranks(leaves, leaves[0].dtype, axis_name)
+        *averaged, bad = pmean([*leaves, bad], axis_name)
         return (outer, optree.tree_unflatten(spec, averaged), *out[1:], (bad,))
     leaves, spec = optree.tree_flatten(params)
     outer_leaves = optree.tree_leaves(outer.params)
@@ -321,15 +236,15 @@ def _local_step(
     for k in phase.launch_before:
         a, b = bounds[k]
         launched[k], flags[k] = _averaged_outer_gradient(
-            outer_leaves[a:b], [leaves[i] for i in order[a:b]], rule.comm_dtype, rule.axis_name
+            outer_leaves[a:b], [leaves[i] for i in order[a:b]], rule.comm_dtype, axis_name
         )
-    out = _inner_step(step_fn, rule, params, args)
+    out = _inner_step(rule, params, args)
     stepped = optree.tree_leaves(out[0])
     inner = [stepped[i] for i in order]  # in the outer parameters' order
     for k in phase.launch_after:
         a, b = bounds[k]
         launched[k], flags[k] = _averaged_outer_gradient(
-            outer_leaves[a:b], inner[a:b], rule.comm_dtype, rule.axis_name
+            outer_leaves[a:b], inner[a:b], rule.comm_dtype, axis_name
         )
     new_outer, opt_states, pending = list(outer_leaves), list(outer.opt_state), list(outer.pending)
     for k in sorted(set(phase.apply) | set(phase.launch_after)):
@@ -382,25 +297,18 @@ def _matching(who: str, params: Any, outer_params: Any) -> list[int]:
         x = leaves[i]
         if (x.shape, x.dtype) != (o.shape, o.dtype):
             raise UsageValueError(
-                f"{who}: parameter leaf {path_str(path)} is {_kind(x)}, but the state's outer "
-                f"parameters (state.params, from step.init(params)) have {_kind(o)} there. "
+                f"{who}: parameter leaf {path_str(path)} is {tensor_kind(x)}, but the state's "
+                "outer parameters (state.params, from step.init(params)) have "
+                f"{tensor_kind(o)} there. "
                 "Pass the parameters step.init was given, of the same shapes and dtypes, or "
                 "start a new state with step.init(params)."
             )
     return order
 
 
-def _hex(digest: torch.Tensor) -> str:
-    return f"{int(digest[0]) & (2**64 - 1):016x}{int(digest[1]) & (2**64 - 1):016x}"
-
-
-def _kind(x: torch.Tensor) -> str:
-    return f"{str(x.dtype).removeprefix('torch.')} {list(x.shape)}"
-
-
-def _inner_step(step_fn: Callable[..., Any], rule: _Rule, params: Any, args: tuple) -> tuple:
+def _inner_step(rule: _Rule, params: Any, args: tuple) -> tuple:
     with _invariant_marks.entered(None):  # per-rank by design: an fddp.Loss of its own batch
-        out = step_fn(params, *args)
+        out = rule.step(params, *args)
     if not isinstance(out, tuple) or not out:
         raise TypeError(
             f"{rule.name}: the step must return a tuple whose first element is the new "
@@ -428,34 +336,23 @@ class LowCommStep:
 
     __name__: str
 
-    def __init__(
-        self,
-        step_fn: Callable[..., Any],
-        rule: _Rule,
-        *,
-        donate_argnums: tuple[int, ...],
-        data_parallel_options: dict[str, Any],
-    ) -> None:
-        functools.update_wrapper(self, step_fn)
-        self._step_fn = step_fn
+    def __init__(self, rule: _Rule, options: StepOptions) -> None:
+        """``options``: as given to the transform, its ``donate_argnums`` numbered as the
+        call's arguments."""
+        functools.update_wrapper(self, rule.step)
         self._rule = rule
-        self._group: dist.ProcessGroup | None = data_parallel_options["group"]
-        local = functools.partial(_local_step, step_fn, rule)
-        program = _named(local, f"{rule.name}({getattr(step_fn, '__name__', 'step')})")
-        self._programs: DataParallelStep = _data_parallel(
-            program,
-            axis_name=rule.axis_name,
-            first_bucket_cap_mb=1.0,
-            donate_argnums=tuple(n + 1 for n in donate_argnums),
-            comm_dtype=None,
-            axes=None,
-            trace=True,
+        self._axis_name = options.axis_name
+        self._group = options.group
+        local = functools.partial(_local_step, rule, options.axis_name)
+        program = _named(local, f"{rule.name}({getattr(rule.step, '__name__', 'step')})")
+        options = dataclasses.replace(
+            options,
+            transform=rule,
+            donate_argnums=tuple(n + 1 for n in options.donate_argnums),  # after the phase
             check_replicas=(1,),  # the outer state; the inner parameters are per-rank
             cache_size=len(rule.cadence.phases()) + 4,
-            overlap_steps=False,
-            built_with=rule_lines(rule, step_fn),
-            **data_parallel_options,
         )
+        self._programs = DataParallelStep(program, options)
         self._local = local
 
     @property
@@ -495,7 +392,7 @@ class LowCommStep:
             )
         phase = self.phase(state)
         outer = _Outer(state.params, state.opt_state, state.pending)
-        if _axes.find(self._rule.axis_name) is not None:  # inside fddp.vmap: replicas here
+        if _axes.find(self._axis_name) is not None:  # inside fddp.vmap: replicas here
             *out, _ = self._local(phase, outer, params, *args)
         else:
             with _one_program_per_phase():
@@ -528,7 +425,7 @@ class LowCommStep:
                     tensors += _labelled(f"state.pending[{k}]", state.pending[k])
         found = _digests.digests([x for _, x in tensors])
         for (label, x), bits in zip(tensors, found):
-            lines.append((label, f"{_kind(x)} digest {_hex(bits)}"))
+            lines.append((label, f"{tensor_kind(x)} digest {digest_hex(bits)}"))
         difference = find_difference(lines, self._group)
         if difference is not None:
             raise ReplicaMismatchError(
@@ -612,6 +509,23 @@ def _check_donate(who: str, donate_argnums: int | Sequence[int]) -> tuple[int, .
     return donate
 
 
+def _options(
+    axis_name: str,
+    donate_argnums: tuple[int, ...],
+    group: dist.ProcessGroup | None,
+    compile: bool | str,
+    bucket_cap_mb: float | None,
+) -> StepOptions:
+    """The data-parallel options ``local_sgd`` and ``diloco`` take, as ``data_parallel``'s."""
+    return StepOptions(
+        axis_name=axis_name,
+        donate_argnums=donate_argnums,
+        group=group,
+        compile=backend(compile),
+        bucket_cap_mb=bucket_cap_mb,
+    )
+
+
 def local_sgd(
     step_fn: Callable[..., Any],
     *,
@@ -650,13 +564,9 @@ def local_sgd(
     tensor([0.6000, 0.6000])
     """
     _check_every("local_sgd", every)
-    rule = _Rule("local_sgd", None, Cadence(every, (0,), 0), 1, 0.0, None, axis_name)
-    return LowCommStep(
-        step_fn,
-        rule,
-        donate_argnums=_check_donate("local_sgd", donate_argnums),
-        data_parallel_options=dict(group=group, compile=compile, bucket_cap_mb=bucket_cap_mb),
-    )
+    rule = _Rule("local_sgd", step_fn, every, 1, 0, 0.0, None, None)
+    donate = _check_donate("local_sgd", donate_argnums)
+    return LowCommStep(rule, _options(axis_name, donate, group, compile, bucket_cap_mb))
 
 
 def diloco(
@@ -748,11 +658,6 @@ def diloco(
         isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point
     ):
         raise TypeError(f"diloco: comm_dtype={comm_dtype!r}: use a floating dtype or None.")
-    cadence = Cadence(every, fragment_offsets(every, fragments), delay)
-    rule = _Rule("diloco", outer, cadence, fragments, float(mix), comm_dtype, axis_name)
-    return LowCommStep(
-        step_fn,
-        rule,
-        donate_argnums=_check_donate("diloco", donate_argnums),
-        data_parallel_options=dict(group=group, compile=compile, bucket_cap_mb=bucket_cap_mb),
-    )
+    rule = _Rule("diloco", step_fn, every, fragments, delay, float(mix), comm_dtype, outer)
+    donate = _check_donate("diloco", donate_argnums)
+    return LowCommStep(rule, _options(axis_name, donate, group, compile, bucket_cap_mb))

@@ -37,6 +37,17 @@ class Machine:
         )
 
 
+# The figures a cost estimate takes where none were measured (remat's memory budget weighs what a
+# recompute costs before the link is timed): 100 GFLOP/s, 10 GB/s of memory traffic and 2 us a
+# dispatch (about one CPU core), and a 1 GB/s link.
+DEFAULT = Machine(
+    latency=50e-6,
+    seconds_per_byte=1e-9,
+    seconds_per_flop=1e-11,
+    seconds_per_byte_moved=1e-10,
+    seconds_per_node=2e-6,
+)
+
 # What a real link or processor can take, in seconds: a figure outside its range (zero, negative,
 # not finite, absurd) would divide by zero or overflow in the cost model.
 _BOUNDS = {

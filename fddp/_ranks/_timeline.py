@@ -8,11 +8,13 @@ import os
 import tempfile
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
+
+from fddp._base import _files
 
 STEP_EVENT = "fddp.step"
 _COMM_PREFIXES = ("gloo:", "nccl:")
@@ -76,10 +78,12 @@ def record(path: str | os.PathLike, group: dist.ProcessGroup | None = None) -> I
         gathered = [mine]
     if rank == 0:
         merged = [e for rank_events in gathered for e in rank_events]
-        tmp_path = f"{path}.tmp-{os.getpid()}"
-        with open(tmp_path, "w") as f:
-            json.dump({"traceEvents": merged, "displayTimeUnit": "ms"}, f)
-        os.replace(tmp_path, path)
+        trace = json.dumps({"traceEvents": merged, "displayTimeUnit": "ms"}).encode()
+
+        def write(f: BinaryIO) -> None:
+            f.write(trace)
+
+        _files.replace_atomically(os.fspath(path), write, what="trace")
 
 
 def step_range() -> contextlib.AbstractContextManager:

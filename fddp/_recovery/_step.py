@@ -10,25 +10,43 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import optree
 import torch
 import torch.distributed as dist
 
-from fddp._base._axes import DEFAULT_AXIS
 from fddp._base._errors import RankFailureError
 from fddp._base._types import GradientTransformation
 from fddp._collectives._ops import pmean, psum
 from fddp._func import _invariant
 from fddp._func._grad import value_and_grad
-from fddp._lowcomm._low_comm import LowCommState, describe
-from fddp._optim._transforms import apply_updates
+from fddp._lowcomm._low_comm import LowCommState
+from fddp._optim._update import apply_updates
 from fddp._ranks import _runtime
 from fddp._sharding import ShardedState
-from fddp._step._data_parallel import DataParallelStep, _backend, _data_parallel
+from fddp._step import _options
+from fddp._step._data_parallel import DataParallelStep
+from fddp._step._options import StepOptions, as_line, by_name
 
 _POLL_S = 0.005
+
+
+@dataclasses.dataclass(frozen=True)
+class _Built:
+    """How a recoverable step was built: the ``transform`` of its data-parallel steps'
+    options, compared across ranks on every call."""
+
+    LABEL: ClassVar[str] = "recoverable"
+
+    loss_fn: Callable[..., Any] = dataclasses.field(metadata=by_name("recoverable loss_fn"))
+    micro_batches: int
+    donate: bool
+    invariant: bool
+    admit_every: int
+    settle: float = dataclasses.field(metadata=as_line())
+    optimizer: GradientTransformation
+    weighted: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,18 +109,15 @@ class RecoverableStep:
         self._donate = donate
         self._invariant = invariant
         self._admit_every = admit_every
-        self._dp_options = dict(
-            bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb, compile=compile
+        built = _Built(loss_fn, micro_batches, donate, invariant, admit_every, settle, optimizer)
+        self._step_options = StepOptions(
+            transform=built,
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_cap_mb=first_bucket_cap_mb,
+            compile=_options.backend(compile),
+            donate_argnums=(0, 1) if donate else (),
+            cache_size=4,
         )
-        self._described = [
-            ("recoverable loss_fn", _qualified_name(loss_fn)),
-            ("recoverable micro_batches", repr(micro_batches)),
-            ("recoverable donate", repr(donate)),
-            ("recoverable invariant", repr(invariant)),
-            ("recoverable admit_every", repr(admit_every)),
-            ("recoverable settle", repr(settle)),
-            *describe(optimizer, "recoverable optimizer"),
-        ]
         self.uid = rank
         self.members: tuple[int, ...] = tuple(range(world_size))
         self.generation = 0
@@ -237,21 +252,12 @@ class RecoverableStep:
             step_fn = _accumulating_step(
                 self._loss_fn, self._optimizer, k, self._micro_batches, weighted, self._invariant
             )
-            self._steps[weighted, micro_rows] = _data_parallel(
-                step_fn,
-                axis_name=DEFAULT_AXIS,
-                donate_argnums=(0, 1) if self._donate else (),
-                comm_dtype=None,
-                group=None,
-                axes=None,
-                trace=True,
-                check_replicas=True,
-                cache_size=4,
-                overlap_steps=False,
-                invariant=micro_rows if self._invariant else None,
-                built_with=[*self._described, ("recoverable weighted", repr(weighted))],
-                **self._dp_options,  # type: ignore[arg-type]
+            options = dataclasses.replace(
+                self._step_options,
+                transform=dataclasses.replace(self._step_options.transform, weighted=weighted),
+                invariant=_invariant.checked(micro_rows) if self._invariant else None,
             )
+            self._steps[weighted, micro_rows] = DataParallelStep(step_fn, options)
         return self._steps[weighted, micro_rows]
 
     def _keep(self, params: Any, opt_state: Any) -> None:
@@ -400,11 +406,6 @@ def _heartbeat(store: dist.Store, key: str, interval: float, stop: threading.Eve
             store.add(key, 1)
         except RuntimeError:  # the store is gone: the survivors cannot agree without it anyway
             return
-
-
-def _qualified_name(fn: Callable[..., Any]) -> str:
-    fn = getattr(fn, "func", fn)
-    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 def _refuse_unrecoverable(opt_state: Any) -> None:
@@ -602,6 +603,7 @@ def recoverable(
     >>> w
     tensor([0.6000, 0.6000])
     >>> rstep.close()
+    >>> fddp.init()  # a world of one again, for what runs next in this process
     """
     if dist.is_initialized():
         raise ValueError(
@@ -626,7 +628,7 @@ def recoverable(
             "transformation (e.g. fddp.optim.adamw(1e-3))."
         )
     if invariant:
-        _invariant.check_backend(_backend(compile))
+        _invariant.check_backend(_options.backend(compile))
     return RecoverableStep(
         loss_fn,
         optimizer,

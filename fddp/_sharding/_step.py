@@ -30,14 +30,14 @@ def gathering(
     parameters and ``shard_state`` states bound to another group than they were cut over are
     refused first, before any capture.
 
-    Inside, the compiler (``_compiler._param_gathers``) places each gather just ahead of the
+    Inside, the compiler (``_compiler._passes._param_gathers``) places each gather just ahead of the
     parameters' first use and gathers again where they are used after other buckets (the
     backward pass). Where the output is ``apply_updates(params, updates)`` of ``shard_state``
     updates, each shard is this replica's parameter shard plus its update shard, and the
     updates are never gathered (``fddp._sharding._gathered`` recognises that case).
 
     ``one_at_a_time``: the step runs as fddp schedules it, whose parameter gathers never
-    overlap (``_compiler._param_gathers``), so they may use gloo's own all-gather. Not under
+    overlap (``_compiler._passes._param_gathers``), so they may use gloo's own all-gather. Not under
     Inductor, which moves waits and would let two run at once: that corrupts gloo's heap."""
     for state in states(args):  # before tracing, on every capture path
         check_state_group(state, f"{where}, shard_state's state")

@@ -115,11 +115,12 @@ class Pending:
         # replicas drifting apart, which the replicated arguments' own check names better
         counted = difference.label.startswith(_COUNT)
         built = self._check.described_lines
-        if not counted and all(theirs[:built] == everyone[0][:built] for theirs in everyone):
+        built_alike = all(theirs[:built] == everyone[0][:built] for theirs in everyone)
+        if not counted and built_alike:
             self._on_argument_mismatch()  # every rank calls it: it may compare more
         if difference.label.startswith((_COUNT, _VALUE)):
             raise _skipped(self._check.name, self._call, difference)
-        raise _mismatch(self._check.name, difference)
+        raise _mismatch(self._check.name, difference, built_alike)
 
 
 def _skipped(name: str, call: int, difference: Difference) -> ScheduleMismatchError:
@@ -137,7 +138,7 @@ def _relabelled(difference: Difference, label: str) -> Difference:
     return Difference(difference.rank, label, difference.theirs, difference.ours)
 
 
-def _mismatch(name: str, difference: Difference) -> ScheduleMismatchError:
+def _mismatch(name: str, difference: Difference, built_alike: bool) -> ScheduleMismatchError:
     if difference.label == "the request":
         return ScheduleMismatchError(
             f"{name}: rank {difference.rank} {difference.theirs} while rank 0 "
@@ -145,10 +146,10 @@ def _mismatch(name: str, difference: Difference) -> ScheduleMismatchError:
             "schedule() and graph() on every rank at the same point, or after a first call "
             "with these arguments (then they need no other rank)."
         )
-    if difference.label.startswith(("option", "the step")):
+    if not built_alike:  # the difference is in how the step was built
         return ScheduleMismatchError(
             f"{name}: ranks built the step differently: {difference}. Every rank must wrap "
-            "the same step function with the same data_parallel options."
+            "the same step function with the same options."
         )
     return ScheduleMismatchError(
         f"{name}: ranks were called with different arguments: {difference}. Every rank must "

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from fddp._base._errors import ReplicaMismatchError
 from fddp._base._tree import leaves_with_paths
+from fddp._compiler._program import Compiled
 from fddp._ranks import _digests, _runtime
 from fddp._ranks._signature import leaf_paths
 from fddp._sharding import sharded_positions
@@ -108,6 +109,23 @@ class ReplicaGuard:
                         "code, or call fddp.replicate(tree) before training."
                     )
         return varying
+
+    def before_run(self, compiled: Compiled, args: tuple, tensors: list[torch.Tensor]) -> None:
+        """The checks due before a traced call runs: on its program's first run, those of
+        :meth:`first_run`; on every run, :meth:`refuse_fed_back`."""
+        if compiled.varying_tensors is None:
+            compiled.varying_tensors = self.first_run(args, tensors)
+        self.refuse_fed_back(args)
+
+    def after_run(self, compiled: Compiled, args: tuple, out: Any) -> None:
+        """After a traced call: its per-rank output leaves (learned after its program's first
+        run), to refuse them next time."""
+        if compiled.varying_outputs is None:
+            assert compiled.varying_tensors is not None  # learned before the first run
+            compiled.varying_outputs = compiled.output_sources(
+                compiled.varying_tensors, tensor_paths(args)
+            )
+        self.remember(compiled.varying_outputs, out)
 
     def remember(self, varying: dict[int, tuple[str, str]], out: Any) -> None:
         """After a call: its per-rank output leaves (index -> path, source), to refuse them

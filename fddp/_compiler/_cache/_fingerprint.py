@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from fddp._base._names import qualified_name
+
 MAX_OBJECTS = 200_000  # beyond this the step reaches too much to fingerprint (a dataset, say)
 
 Path = tuple[tuple[str, Any], ...]  # steps from the root: ("closure", 0), ("attr", "lr"), ...
@@ -265,7 +267,7 @@ class _Walk:
             module = getattr(obj, "__module__", None)
             if isinstance(module, str) and module in sys.modules:
                 self.libraries.add(module)  # a C extension's function: its version keys it
-            self.emit("builtin", module, _qualname(obj))
+            self.emit("builtin", module, qualified_name(obj, module=False))
         elif isinstance(obj, re.Pattern):
             self.emit("pattern", obj.pattern, obj.flags)  # its repr is cut at 200 characters
         elif isinstance(obj, (list, tuple, collections.deque)):
@@ -403,10 +405,6 @@ class _Walk:
                     "give its class a __dict__ or __slots__"
                 )
             self.emit("opaque", text)
-
-
-def _qualname(obj: Any) -> str:
-    return getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
 
 
 def _slots(cls: type) -> list[str]:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fddp._base import _files
-from fddp._compiler import _pipeline
+from fddp._base._names import qualified_name
 from fddp._compiler._cache import _store
 from fddp._compiler._cache._fingerprint import (
     Fingerprint,
@@ -32,9 +32,11 @@ from fddp._compiler._cache._fingerprint import (
     fingerprint,
     locate,
 )
+from fddp._compiler._options import CompileOptions
 from fddp._compiler._passes import _cost
 from fddp._compiler._program import Compiled
-from fddp._ranks import _runtime
+from fddp._ranks import _machine, _runtime
+from fddp._ranks._agree import Line
 from fddp._ranks._digests import digests
 from fddp._ranks._machine import Machine
 from fddp._ranks._signature import Signature, TensorSpec
@@ -76,6 +78,17 @@ def cache_dir() -> str | None:
     if _directory is _UNSET:
         return os.environ.get(ENV) or None
     return _directory
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """What a step's program on disk is kept under, beside the versions, the world and the
+    donated arguments: the step (fingerprinted with everything it reaches), the call's
+    signature and how the step was built (its options as the ranks compare them)."""
+
+    step_fn: Any
+    signature: Signature
+    described: tuple[Line, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,16 +169,11 @@ def _signature_text(signature: Signature) -> list[str]:
 
 
 def key_for(
-    step_fn: Any,
-    signature: Signature,
-    leaves: list[Any],
-    described: list[tuple[str, str]],
-    donated: set[int],
-    group: dist.ProcessGroup | None,
+    identity: Identity, leaves: list[Any], donated: set[int], group: dist.ProcessGroup | None
 ) -> Key | None:
-    """The cache key of compiling ``step_fn`` for ``signature``; None (warned once) when the
-    cache is off, its directory or key file is not safe, or the step reaches what cannot be
-    fingerprinted."""
+    """The cache key of compiling ``identity``'s step for its signature (``leaves``: the
+    call's); None (warned once) when the cache is off, its directory or key file is not safe,
+    or the step reaches what cannot be fingerprinted."""
     directory = cache_dir()
     if directory is None:
         return None
@@ -173,11 +181,12 @@ def key_for(
     secret = None if path is None else _secret(path)
     if path is None or secret is None:
         return None
-    roots = (step_fn, tuple(x for x in leaves if not isinstance(x, torch.Tensor)))
+    roots = (identity.step_fn, tuple(x for x in leaves if not isinstance(x, torch.Tensor)))
     try:
         found = fingerprint(*roots)
     except Unfingerprintable as e:
-        _warn_once(f"fddp: not keeping {_name(step_fn)}'s program in the program cache: {e}.")
+        name = qualified_name(identity.step_fn, module=False)
+        _warn_once(f"fddp: not keeping {name}'s program in the program cache: {e}.")
         return None
     world = _runtime.world_size(group)
     parts = [
@@ -188,8 +197,8 @@ def key_for(
         sys.version,
         platform.machine(),
         found.digest,
-        _signature_text(signature),
-        described,
+        _signature_text(identity.signature),
+        list(identity.described),
         sorted(donated),
         world,
         _runtime.rank(group),
@@ -197,10 +206,6 @@ def key_for(
     ]
     digest = hashlib.sha256(repr(parts).encode()).hexdigest()
     return Key(digest, found, roots, path, secret)
-
-
-def _name(step_fn: Any) -> str:
-    return getattr(step_fn, "__qualname__", None) or type(step_fn).__qualname__
 
 
 def _group_text(group: dist.ProcessGroup | None) -> str:
@@ -368,7 +373,28 @@ def _profile(key: Key) -> tuple[_cost.Profile, int] | None:
     return entry["profile"], entry["cap"]
 
 
-def proposal(key: Key | None, options: _pipeline.Options, machine: Machine, restored: bool) -> int:
+def agreed_cap(
+    key: Key | None,
+    options: CompileOptions,
+    machine: Machine | None,
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+) -> int | None:
+    """Where the cost model chooses the cap on several ranks (``machine`` measured), the cap
+    every rank takes: the one rank 0 proposes from its persistent cache (:func:`proposal`), by
+    a broadcast at each compile, whether or not a rank has the cache on; None where rank 0 has
+    no cached program for the step."""
+    if machine is None:
+        return None
+    proposed = -1
+    if _runtime.rank(group) == 0:
+        proposed = proposal(key, options, machine, _machine.restored(group, device))
+    cap = torch.tensor([proposed], dtype=torch.int64, device=device)
+    dist.broadcast(cap, group=group, group_src=0)
+    return None if int(cap) < 0 else int(cap)
+
+
+def proposal(key: Key | None, options: CompileOptions, machine: Machine, restored: bool) -> int:
     """The cap rank 0 proposes for every rank's programs, -1 for none: the cap of the programs
     cached under ``key``, so that noise in the measured link does not choose another one;
     with figures restored from a checkpoint, the cap they choose (as the saved run did)."""
@@ -376,12 +402,12 @@ def proposal(key: Key | None, options: _pipeline.Options, machine: Machine, rest
     if found is None:
         return -1
     profile, cached_cap = found
-    return _pipeline.choose_cap(profile, options.cap, machine).cap if restored else cached_cap
+    return _cost.choose_cap(profile, options.cap, machine).cap if restored else cached_cap
 
 
 def load(
     key: Key,
-    options: _pipeline.Options,
+    options: CompileOptions,
     machine: Machine | None,
     device: torch.device,
     agreed_cap: int | None = None,
@@ -393,7 +419,7 @@ def load(
     if found is None:
         return None
     profile, _ = found
-    choice = _pipeline.choose_cap(profile, options.cap, machine, agreed_cap)
+    choice = _cost.choose_cap(profile, options.cap, machine, agreed_cap)
     payload = _read(key, key.program_path(choice.cap))
     if payload is None:
         return None

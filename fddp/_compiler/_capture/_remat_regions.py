@@ -17,14 +17,15 @@ from fddp._base._errors import UsageValueError
 from fddp._compiler._capture import _user_frames
 from fddp._func import _remat
 
-try:  # the higher-order op Dynamo makes of a checkpoint call
+try:  # the higher-order op Dynamo makes of a torch.utils.checkpoint call
     from torch._higher_order_ops import wrap as _hop_wrap_module
 
     _hop_wrap: Any = _hop_wrap_module
 except ImportError:  # pragma: no cover - a torch without it
     _hop_wrap = None
 
-_CHECKPOINT_KEYWORDS = frozenset(
+# torch.utils.checkpoint's own keywords, not the function's
+_TORCH_OPTIONS = frozenset(
     ("use_reentrant", "context_fn", "determinism_check", "debug", "early_stop")
 ) | {"preserve_rng_state"}
 
@@ -84,11 +85,11 @@ def _non_reentrant(
 
 
 def _from_dynamo(gmod: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
-    """Stands in for ``tag_activation_checkpoint_impl``: Dynamo's graph of a checkpoint call,
-    lowered to aten, its body a region."""
+    """Stands in for ``tag_activation_checkpoint_impl``: Dynamo's graph of a
+    ``torch.utils.checkpoint`` call, lowered to aten, its body a region."""
     context_fn = gmod.meta.get("_checkpoint_context_fn", torch_checkpoint.noop_context_fn)
     policy = _policy_of(context_fn, _node_frame)
-    body_kwargs = {k: v for k, v in kwargs.items() if k not in _CHECKPOINT_KEYWORDS}
+    body_kwargs = {k: v for k, v in kwargs.items() if k not in _TORCH_OPTIONS}
     # The interpreter replaces the annotations of the moment by each body node's own
     # (fx_traceback.set_current_meta), so the region goes on the body's nodes.
     region = _remat.region_annotation(dataclasses.astuple(policy))
@@ -122,11 +123,11 @@ def _policy_of(
         return _remat.nothing_saveable
     raise UsageValueError(
         "torch.utils.checkpoint with a context_fn (selective activation checkpointing) inside "
-        f"a fddp.data_parallel step{_user_frames.where(where())}\nfddp recomputes checkpointed "
+        f"a fddp.data_parallel step{_user_frames.where(where())}\nfddp recomputes such "
         "regions itself and cannot read which values that context saves. Write the region as "
         "fddp.remat(fn, policy=...) with a policy of fddp.remat_policies (dots_saveable, "
         "save_only_these_names(...), memory_budget(...)), or pass data_parallel(step, "
-        "remat=policy) for the model's repeated blocks; trace=False runs torch's checkpoint "
+        "remat=policy) for the model's repeated blocks; trace=False runs torch.utils.checkpoint "
         "eagerly."
     )
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import optree
 import torch
+import torch.distributed as dist
 import torch.fx.traceback as fx_traceback
 from torch import fx
 from torch._guards import detect_fake_mode
@@ -30,8 +31,9 @@ from torch._subclasses.fake_tensor import (
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fddp._base import _model_calls
+from fddp._base import _axes, _model_calls
 from fddp._base._errors import CaptureError, PrintWhileTracingWarning, UsageError
+from fddp._collectives._ops import process_axis
 from fddp._compiler._capture import _backward_mode, _remat_regions, _repeated, _user_frames
 from fddp._compiler._capture._quick_record import QuickRecord
 from fddp._compiler._graph import remove_double_waits, storage
@@ -688,6 +690,21 @@ def capture(
             fn, args, tensors, fused_backward=fused_backward, method=method
         )
     return dataclasses.replace(captured, models=tuple(models)), dynamo
+
+
+def capture_step(
+    step_fn: Callable[..., Any],
+    args: tuple,
+    *,
+    axis_name: str = "data",
+    group: dist.ProcessGroup | None = None,
+) -> Captured:
+    """``step_fn`` captured as ``fddp.data_parallel(step_fn)`` captures it for the FX backend
+    over ``group`` (default: the world), before any pass: a developer entry point
+    (docs/architecture.md) for benchmarks that schedule the graph themselves."""
+    tensors = [x for x in optree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+    with _axes.bind(process_axis(axis_name, group, traced=True)):
+        return capture(step_fn, args, tensors, fused_backward=True)[0]
 
 
 def _capture_graph(

@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import os
 import traceback
+from pathlib import Path
 
 import optree
 import torch
 
-_FDDP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_FDDP_DIR = str(Path(__file__).resolve().parents[2]) + os.sep  # fddp/_compiler/_capture/ -> fddp/
 _LIBRARY_DIRS = (
     *(os.path.dirname(os.path.abspath(f)) + os.sep for f in (torch.__file__, optree.__file__)),
     os.path.dirname(os.path.abspath(contextlib.__file__)) + os.sep,  # the standard library

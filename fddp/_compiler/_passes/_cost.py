@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import optree
 import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
-from fddp._collectives._bucket_policy import Predict
+from fddp._collectives._bucket_policy import CapPolicy, Choice, Predict
 from fddp._compiler._graph import is_collective, is_view, is_wait
 from fddp._compiler._passes import _bucket
 from fddp._ranks._machine import Machine
@@ -56,12 +56,8 @@ class Profile:
     def seconds(self, machine: Machine) -> list[float]:
         """Predicted seconds of each node, in graph order."""
         return [
-            0.0
-            if not dispatched
-            else machine.seconds_per_node
-            + flops * machine.seconds_per_flop
-            + moved * machine.seconds_per_byte_moved
-            for dispatched, flops, moved in zip(self.dispatched, self.flops, self.moved)
+            _seconds(figures, machine)
+            for figures in zip(self.dispatched, self.flops, self.moved, strict=True)
         ]
 
     def predictor(self, first_cap: int, machine: Machine) -> Predict:
@@ -71,26 +67,48 @@ class Profile:
         return lambda cap: predict(seconds, _bucket.assign(reductions, cap, first_cap), machine)
 
 
+def _figures(node: fx.Node) -> tuple[bool, float, int]:
+    """Whether ``node`` costs a dispatch, its FLOPs and the bytes it moves (counted only where
+    its FLOPs are unknown); collectives and waits cost nothing here (``predict`` counts the
+    bucketed ones)."""
+    counted = node.op == "call_function" and not is_collective(node) and not is_wait(node)
+    flops = _flops(node) if counted and not is_view(node) else None
+    moved = 0
+    if counted and not is_view(node) and flops is None:
+        moved = sum(map(_tensor_bytes, node.all_input_nodes)) + _tensor_bytes(node)
+    return counted, float(flops or 0.0), moved
+
+
+def _seconds(figures: tuple[bool, float, int], machine: Machine) -> float:
+    dispatched, flops, moved = figures
+    if not dispatched:
+        return 0.0
+    return (
+        machine.seconds_per_node
+        + flops * machine.seconds_per_flop
+        + moved * machine.seconds_per_byte_moved
+    )
+
+
 def profile(graph: fx.Graph, members: list[_bucket.Member]) -> Profile:
-    """The graph's :class:`Profile`; collectives and waits cost nothing here (``predict``
-    counts the bucketed ones)."""
-    dispatched, flops, moved = [], [], []
-    for node in graph.nodes:
-        counted = node.op == "call_function" and not is_collective(node) and not is_wait(node)
-        node_flops = _flops(node) if counted and not is_view(node) else None
-        node_moved = 0
-        if counted and not is_view(node) and node_flops is None:
-            node_moved = sum(map(_tensor_bytes, node.all_input_nodes)) + _tensor_bytes(node)
-        dispatched.append(counted)
-        flops.append(float(node_flops or 0.0))
-        moved.append(node_moved)
-    reductions = tuple(_bucket.Reduction.of(m) for m in members)
-    return Profile(tuple(dispatched), tuple(flops), tuple(moved), reductions)
+    """The graph's :class:`Profile`."""
+    figures = [_figures(node) for node in graph.nodes]
+    return Profile(
+        tuple(f[0] for f in figures),
+        tuple(f[1] for f in figures),
+        tuple(f[2] for f in figures),
+        tuple(_bucket.Reduction.of(m) for m in members),
+    )
 
 
 def node_seconds(graph: fx.Graph, machine: Machine) -> list[float]:
     """Predicted seconds of each node of ``graph``, in graph order."""
     return profile(graph, []).seconds(machine)
+
+
+def seconds_of(nodes: Iterable[fx.Node], machine: Machine) -> float:
+    """Predicted seconds of running ``nodes``, each counted as in :func:`node_seconds`."""
+    return sum(_seconds(_figures(node), machine) for node in nodes)
 
 
 def predict(
@@ -122,3 +140,21 @@ def predictor(
 ) -> Predict:
     """A function from a cap to the predicted seconds of the step with that cap's buckets."""
     return profile(graph, members).predictor(first_cap, machine)
+
+
+def choose_cap(
+    profile: Profile, policy: CapPolicy, machine: Machine | None, agreed: int | None = None
+) -> Choice:
+    """The bucket cap for a graph of ``profile`` (the cost model needs a ``machine``), or the
+    ``agreed`` one: the cap of the programs the persistent cache holds, which the ranks take
+    from rank 0 (``fddp._compiler._cache._persistent.agreed_cap``)."""
+    machine = machine if profile.reductions else None
+    predict = profile.predictor(policy.first, machine) if machine else None
+    choice = policy.choose(_bucket.total_bytes(profile.reductions), machine, predict)
+    if agreed is None or agreed == choice.cap:
+        return choice
+    return Choice(
+        agreed,
+        "kept from the programs this step cached (fddp.set_cache_dir), which the cost model "
+        "chose when they were compiled",
+    )

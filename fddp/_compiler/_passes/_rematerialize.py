@@ -23,6 +23,7 @@ from fddp._compiler._graph import Storage, is_collective, is_wait, mutated_input
 from fddp._compiler._passes import _cost, _generator_replay
 from fddp._func import _remat
 from fddp._func._remat import Policy
+from fddp._ranks import _machine
 
 _aten = torch.ops.aten
 # matrix products whose operands carry no batch dimension (JAX's dot_general without batch dims)
@@ -468,14 +469,19 @@ def _save_rng_state(graph: fx.Graph, node: fx.Node) -> tuple[Callable, tuple, tu
 
 
 def rematerialise(
-    graph: fx.Graph, step_policy: Policy | None, *, replay_rng: bool
+    graph: fx.Graph,
+    step_policy: Policy | None,
+    *,
+    replay_rng: bool,
+    machine: _machine.Machine = _machine.DEFAULT,
 ) -> RematPlan | None:
     """Recompute in the backward what the regions' policies do not keep; the plan, or None
     when the step has no region (the graph is then unchanged but for ``remat_name`` markers).
 
     ``replay_rng``: a recomputed random op replays the generator state the forward used
     (``run_and_save_rng_state``/``run_with_rng_state``); without it (Inductor, which draws
-    random numbers its own way) random ops' outputs are kept.
+    random numbers its own way) random ops' outputs are kept. ``machine``: the figures a
+    ``memory_budget`` weighs a recompute's seconds with (``_cost``'s model).
     """
     names = _strip_names(graph)
     regions = _regions(graph, step_policy)
@@ -485,7 +491,9 @@ def rematerialise(
     without = saved_bytes(graph)
     ends = _run_ends(graph)
     writers = _writers(graph)
-    budget = _budget_nodes(graph, regions, ends, names, step_policy, without, replay_rng, writers)
+    budget = _budget_nodes(
+        graph, regions, ends, names, step_policy, without, replay_rng, writers, machine
+    )
     choices = []
     for region in regions:
         if region.policy.kind == "memory_budget":
@@ -573,15 +581,6 @@ def _check_names(regions: list[_Region], names: dict[fx.Node, set[str]]) -> None
 
 # ---- memory_budget: recompute the cheapest bytes first until the rest fits ----
 
-_FLOPS_PER_SECOND = 1e11  # the cost model's rough machine: only the ratio of the two matters
-_BYTES_PER_SECOND = 1e10
-
-
-def _seconds(node: fx.Node) -> float:
-    flops = _cost._flops(node) or 0.0
-    moved = _cost._tensor_bytes(node) + sum(_cost._tensor_bytes(a) for a in node.all_input_nodes)
-    return flops / _FLOPS_PER_SECOND + moved / _BYTES_PER_SECOND
-
 
 def _budget_nodes(
     graph: fx.Graph,
@@ -592,6 +591,7 @@ def _budget_nodes(
     without: int,
     replay_rng: bool,
     writers: dict[Storage, list[fx.Node]],
+    machine: _machine.Machine,
 ) -> set[fx.Node]:
     """The nodes ``memory_budget`` regions recompute: whole storages, cheapest recompute per
     byte first, the fewest that bring the step's saved bytes within the budget."""
@@ -619,7 +619,7 @@ def _budget_nodes(
     units = []
     for key in late:
         nodes = by_storage[key]
-        cost = sum(_seconds(n) for n in nodes)
+        cost = _cost.seconds_of(nodes, machine)
         size = max(_storage_bytes(_tensor(n)) for n in nodes)  # type: ignore[arg-type]
         units.append((cost / max(size, 1), min(nodes), nodes, size))
     units.sort(key=lambda u: (u[0], u[1]))
