@@ -112,6 +112,24 @@ def _simulate(model: str, replicas: int) -> dict:
     return {"params": params, "buffers": buffers, "opt_state": opt_state, "loss": loss}
 
 
+def _sums_before_the_last_matmul() -> tuple[int, int]:
+    """Where the step's graph launches its first int64 sum all-reduce, and where its last
+    matmul (the last chunk's backward) runs: buckets of one leaf each."""
+    step, params, buffers, opt_state = _setup("transformer", 0.0)
+    pstep = fddp.data_parallel(step, invariant=CHUNK, bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4)
+    rank, size = fddp.rank(), fddp.world_size()
+    local = {k: v.chunk(size)[rank] for k, v in _data("transformer", 0).items()}
+    nodes = list(pstep.graph(params, opt_state, buffers, local).graph.nodes)
+    sums = [
+        i
+        for i, n in enumerate(nodes)
+        if "all_reduce" in str(n.target)
+        and n.args[1] == "sum"
+        and n.meta["val"].dtype == torch.int64
+    ]
+    return sums[0], max(i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default)
+
+
 def _checks(world: int) -> dict:
     """What each world size runs: the transformer traced with a bucket cap that changes with
     the world size, the CNN traced on 1 and 3 ranks and eager on 2 and 4; the default mode
@@ -135,6 +153,7 @@ def _checks(world: int) -> dict:
                     _train, "transformer", invariant=CHUNK, bucket_cap_mb=cap
                 )
         checks["eager"] = functools.partial(_train, "transformer", invariant=CHUNK, trace=False)
+        checks["schedule"] = _sums_before_the_last_matmul
     return checks
 
 
@@ -169,6 +188,13 @@ def test_bitwise_equal_for_any_bucket_cap_and_without_tracing(runs):
             assert_trees_equal(result, reference, what=f"bucket_cap_mb={cap}, rank {rank}")
     for rank, result in enumerate(runs[2]["eager"]):
         assert_trees_equal(result, reference, what=f"trace=False, rank {rank}")
+
+
+def test_each_leafs_exact_sum_is_launched_during_the_last_chunks_backward(runs):
+    """A leaf's exponent and fixed-point sum run where its last chunk's gradient is ready, so
+    its int64 all-reduce overlaps the rest of the backward pass, as the default mode's do."""
+    for first_sum, last_matmul in runs[2]["schedule"]:
+        assert first_sum < last_matmul
 
 
 def test_default_mode_is_not_invariant_but_agrees_to_tolerance(runs):

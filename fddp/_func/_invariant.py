@@ -10,9 +10,11 @@ import optree
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+from torch.fx import traceback as fx_traceback
 from torch.overrides import TorchFunctionMode
 
 from fddp._base import _invariant_marks
+from fddp._base._annotations import EXACT_SUM
 from fddp._base._errors import UsageTypeError, UsageValueError
 from fddp._base._tree import leaves_with_paths
 from fddp._collectives._ops import named_axis, psum
@@ -356,7 +358,9 @@ class _KeyedRandomness(TorchFunctionMode):
 # and float16's, reduced in float32) 2**-149.
 _FLOOR_EXPONENT = {torch.float64: -1075}
 _FLOOR_EXPONENT_32 = -150
-_MOST_EXPONENT = 1000  # a power of two float64 holds, with room to spare on either side
+# Where the first of the two powers of two a scale is split into is clamped, per reduced dtype:
+# both stay normal, and the first leaves room for a divisor (a chunk count, a global weight).
+_FIRST_POWER = {torch.float32: (-60, 125), torch.float64: (-960, 1000)}
 
 
 def _parts(value: Any) -> tuple[str, Any, torch.Tensor | None]:
@@ -395,33 +399,32 @@ def _exponent(chunks: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([exponent, (~finite).to(torch.int64)])
 
 
-def _powers_of_two(exponent: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
-    """Float64 powers of two whose product is ``2**exponent``: one, or for a float64 leaf two
-    (its scales exceed what one float64 holds), the first within ``2**±1000``."""
-    if dtype != torch.float64:
-        return [torch.exp2(exponent.to(torch.float64))]
-    first = exponent.clamp(-_MOST_EXPONENT, _MOST_EXPONENT)
-    return [torch.exp2(first.to(torch.float64)), torch.exp2((exponent - first).to(torch.float64))]
-
-
-def _scaled(x: torch.Tensor, factors: list[torch.Tensor]) -> torch.Tensor:
-    """``x`` times each factor in turn, in float64 (a factor shaped to promote ``x`` as it is
-    read, so a float32 leaf is never copied to float64 first)."""
-    shape = [1] * x.dim()
-    for factor in factors:
-        x = x * factor.view(shape)
-    return x
+def _powers_of_two(
+    exponent: torch.Tensor, dtype: torch.dtype, divisor: int | torch.Tensor = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two scalars of the leaf's reduced dtype whose product is ``2**exponent / divisor``:
+    the exponent's range exceeds the dtype's (float32's reaches ``2**-149``, a fixed point
+    ``2**bits`` above it), so it is split in two powers of two, each exact, and the division
+    is rounded once into the first."""
+    dtype = _reduced_dtype(dtype)
+    low, high = _FIRST_POWER[dtype]
+    first = exponent.clamp(low, high)
+    return (
+        (torch.exp2(first.to(torch.float64)) / divisor).to(dtype),
+        torch.exp2((exponent - first).to(torch.float64)).to(dtype),
+    )
 
 
 def _fixed_sum(chunks: Sequence[torch.Tensor], exponent: torch.Tensor, bits: int) -> torch.Tensor:
     """The int64 sum over chunks of one leaf's fixed-point values ``trunc(x * 2**(bits - e))``:
-    each product is exact (a power of two that keeps it below ``2**bits``, in float64, whose
-    range covers float32's and, in two factors, float64's), so only the fraction below the grid
-    is dropped."""
-    scales = _powers_of_two(bits - exponent, chunks[0].dtype)
+    multiplying by a power of two that keeps the product below ``2**bits`` is exact (in the
+    leaf's reduced dtype, by the two parts of the scale, so that neither overflows), so only
+    the fraction below the grid is dropped."""
+    dtype = _reduced_dtype(chunks[0].dtype)
+    first, second = _powers_of_two(bits - exponent, dtype)
     total = None
     for x in chunks:
-        fixed = _scaled(x.detach(), scales).to(torch.int64)
+        fixed = (x.detach().to(dtype) * first * second).to(torch.int64)
         total = fixed if total is None else total + fixed
     assert total is not None
     return total
@@ -435,11 +438,11 @@ def _mean_of(
     bits: int,
 ) -> torch.Tensor:
     """An int64 sum of fixed-point values (``shared``: its ``[e, bad]``) as ``dtype``, divided
-    by ``divisor``: scaled by ``2**(e - bits) / divisor`` in float64, NaN where a value was not
-    finite."""
-    factors = _powers_of_two(shared[0] - bits, dtype)
-    factors[0] = torch.where(shared[1] > 0, torch.nan, factors[0] / divisor)
-    return _scaled(total, factors).to(dtype)
+    by ``divisor``: scaled by ``2**(e - bits) / divisor`` in the reduced dtype, NaN where a
+    value was not finite."""
+    first, second = _powers_of_two(shared[0] - bits, dtype, divisor)
+    first = torch.where(shared[1] > 0, torch.nan, first)
+    return (total.to(first.dtype) * first * second).to(dtype)
 
 
 def _reduce(
@@ -456,10 +459,13 @@ def _reduce(
     leaves = list(zip(*(floats for floats, _ in chunks)))
     shared, sums = [], []
     for leaf in leaves:
-        exponent = _exponent(leaf)
-        exponent = exponent if agree is None else agree(exponent)
+        # run where the leaf's last chunk is ready (the compiler hoists these nodes), so that
+        # its sum's all-reduce overlaps the rest of the last chunk's backward pass
+        with fx_traceback.annotate({EXACT_SUM: True}):
+            exponent = _exponent(leaf)
+            exponent = exponent if agree is None else agree(exponent)
+            sums.append(_fixed_sum(leaf, exponent[0], bits))
         shared.append(exponent)
-        sums.append(_fixed_sum(leaf, exponent[0], bits))
     if summed is not None:
         sums = summed(sums)
     divisor: int | torch.Tensor = {"example": count, "sum": 1}.get(job.kind, count)
