@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 import pytest
 import torch
 import torch.nn.functional as F
 from _compare import assert_trees_close, assert_trees_equal, max_abs_diff, one_thread
-from _dist import run_checks
+from _dist import run_world_sizes
 from torch import nn
 
 import fddp
@@ -158,12 +159,8 @@ def _checks(world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[int, dict]:
-    with one_thread():
-        out = {1: {name: [check()] for name, check in _checks(1).items()}}
-    for world in (2, 3, 4):
-        out[world] = run_checks(_checks(world), world, timeout=240)
-    return out
+def runs() -> dict[int, Mapping[str, list]]:
+    return run_world_sizes(_checks, in_process=one_thread(), timeout=240)
 
 
 @pytest.mark.parametrize("model", ["transformer", "cnn"])

@@ -198,7 +198,8 @@ class _Job:
         self, tensors: Sequence[torch.Tensor], first_chunk: torch.Tensor, seed: torch.Tensor
     ) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
         """Per chunk of this replica's batch: (floating values, integer values), flat; the
-        value first, then the aux's tensor leaves, then the gradients."""
+        value first (an fddp.Loss's total), then the aux's tensor leaves, then the gradients,
+        and last an fddp.Loss.mean's weight (as float64)."""
         args = self.args_from(tensors)
         size = self.invariant.chunk_size
         out = []
@@ -218,9 +219,9 @@ class _Job:
             normalised_as, value, weight = _parts(value)
             leaves, spec = optree.tree_flatten((value, aux, grads))
             self._check(normalised_as, value, aux, leaves, spec)
-            floats = [x for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()]
-            ints = [x for x in leaves if isinstance(x, torch.Tensor) and not x.is_floating_point()]
-            if weight is not None:  # reduced like the floats, last; exact for integer counts
+            floats = [x for x in leaves if _floating(x)]
+            ints = [x for x in leaves if isinstance(x, torch.Tensor) and not _floating(x)]
+            if weight is not None:  # reduced like the floats; exact for integer counts
                 floats.append(weight.to(torch.float64))
             out.append((floats, ints))
         return out
