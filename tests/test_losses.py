@@ -206,6 +206,19 @@ def test_vmap_replicas_are_the_ranks(runs, name):
                 assert_trees_equal(found, one, what=f"{name}, vmap x{replicas}")
 
 
+def test_comm_dtype_casts_the_sums_not_the_token_count():
+    """bfloat16 holds 1001 as 1000: the count's all-reduce keeps its integer dtype (the total,
+    1024, is exact in bfloat16)."""
+    total = torch.tensor(1024.0)
+
+    def step(w, count):
+        loss, grad = fddp.value_and_grad(lambda w: fddp.Loss.mean(total * w, count))(w)
+        return fddp.pmean(loss), fddp.pmean(grad)
+
+    pstep = fddp.data_parallel(step, comm_dtype=torch.bfloat16)
+    assert_trees_equal(pstep(torch.tensor(1.0), torch.tensor(1001)), (total / 1001,) * 2)
+
+
 def test_loss_outside_a_step_is_of_its_own_batch_and_bad_input_names_the_fix():
     params, buffers, apply = _model()
     batch = _batch()

@@ -163,7 +163,8 @@ def rewrite(
         dtype = value(bucket[0].source).dtype
         divisors = {_divisor(m) for m in bucket}
         divisor = divisors.pop() if len(divisors) == 1 else None
-        wire = comm_dtype if comm_dtype is not None else dtype
+        # integers (an fddp.Loss's token count, a psum'd counter) are never cast
+        wire = comm_dtype if comm_dtype is not None and dtype.is_floating_point else dtype
         pack = _pack_functional if functional else _pack_in_place
         launch = pack(chain, bucket, divisor, wire)
         launch.meta[BUCKET_LEAVES] = tuple(m.path for m in bucket)
