@@ -9,7 +9,7 @@ import torch
 from fddp._base._errors import UsageTypeError, UsageValueError
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # tensors have no truth value to compare by
 class Loss:
     """A loss as a sum and what to divide it by, so that it is normalised over the global batch.
 
