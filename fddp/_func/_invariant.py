@@ -17,6 +17,7 @@ from fddp._base import _invariant_marks
 from fddp._base._annotations import EXACT_SUM
 from fddp._base._errors import UsageTypeError, UsageValueError
 from fddp._base._tree import leaves_with_paths
+from fddp._collectives._bucket_policy import FIRST_CAP_BYTES, pack, rule_of_thumb
 from fddp._collectives._ops import named_axis, psum
 from fddp._func._loss import Loss, kind, mixed_kinds_error
 
@@ -458,15 +459,17 @@ def _reduce(
     exact sum (``summed``: over the replicas), divided as the loss's kind says."""
     bits = job.invariant.fraction_bits
     leaves = list(zip(*(floats for floats, _ in chunks)))
-    shared, sums = [], []
-    for leaf in leaves:
-        # run where the leaf's last chunk is ready (the compiler hoists these nodes), so that
-        # its sum's all-reduce overlaps the rest of the last chunk's backward pass
+    shared: list[Any] = [None] * len(leaves)
+    sums: list[Any] = [None] * len(leaves)
+    for group in _exponent_groups(leaves):
+        # run where the group's last chunk is ready (the compiler hoists these nodes), so that
+        # its sums' all-reduces overlap the rest of the last chunk's backward pass
         with fx_traceback.annotate({EXACT_SUM: True}):
-            exponent = _exponent(leaf)
-            exponent = exponent if agree is None else agree(exponent)
-            sums.append(_fixed_sum(leaf, exponent[0], bits))
-        shared.append(exponent)
+            exponents = torch.stack([_exponent(leaves[j]) for j in group])
+            exponents = exponents if agree is None else agree(exponents)
+            for j, exponent in zip(group, exponents.unbind()):
+                shared[j] = exponent
+                sums[j] = _fixed_sum(leaves[j], exponent[0], bits)
     if summed is not None:
         sums = summed(sums)
     divisor: int | torch.Tensor = {"example": count, "sum": 1}.get(job.kind, count)
@@ -477,6 +480,17 @@ def _reduce(
         aux = 1 <= j <= job.aux_floats  # after the value: the aux's mean over chunks
         out.append(_mean_of(total, exponent, count if aux else divisor, leaves[j][0].dtype, bits))
     return out
+
+
+def _exponent_groups(leaves: list[tuple[torch.Tensor, ...]]) -> list[list[int]]:
+    """The leaves whose exponents one all-reduce agrees on: in reverse order (a backward pass
+    produces the last parameters' gradients first), packed as gradient buckets are (a small
+    first group, then about a sixteenth of the bytes each), so that a group is ready early and
+    the exponents cost a few small all-reduces, not one per leaf."""
+    nbytes = [x[0].numel() * x[0].element_size() for x in reversed(leaves)]
+    cap = rule_of_thumb(sum(nbytes), FIRST_CAP_BYTES)
+    groups = pack(nbytes, [None] * len(nbytes), cap, first_cap=FIRST_CAP_BYTES)
+    return [[len(leaves) - 1 - i for i in group] for group in groups]
 
 
 def _int_maxes(chunks: list[list[torch.Tensor]]) -> list[torch.Tensor]:
