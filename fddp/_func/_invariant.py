@@ -17,7 +17,7 @@ from fddp._base import _invariant_marks
 from fddp._base._annotations import EXACT_SUM
 from fddp._base._errors import UsageTypeError, UsageValueError
 from fddp._base._tree import leaves_with_paths
-from fddp._collectives._bucket_policy import FIRST_CAP_BYTES, pack, rule_of_thumb
+from fddp._collectives._bucket_policy import pack
 from fddp._collectives._ops import named_axis, psum
 from fddp._func._loss import Loss, kind, mixed_kinds_error
 
@@ -363,6 +363,7 @@ _FLOOR_EXPONENT_32 = -150
 # Where the first of the two powers of two a scale is split into is clamped, per reduced dtype:
 # both stay normal, and the first leaves room for a divisor (a chunk count, a global weight).
 _FIRST_POWER = {torch.float32: (-60, 125), torch.float64: (-960, 1000)}
+_EXPONENT_GROUPS = 16  # about as many as a step's gradient buckets (the bucket rule's sixteenth)
 
 
 def _parts(value: Any) -> tuple[str, Any, torch.Tensor | None]:
@@ -484,12 +485,12 @@ def _reduce(
 
 def _exponent_groups(leaves: list[tuple[torch.Tensor, ...]]) -> list[list[int]]:
     """The leaves whose exponents one all-reduce agrees on: in reverse order (a backward pass
-    produces the last parameters' gradients first), packed as gradient buckets are (a small
-    first group, then about a sixteenth of the bytes each), so that a group is ready early and
-    the exponents cost a few small all-reduces, not one per leaf."""
+    produces the last parameters' gradients first), packed as gradient buckets are, a
+    sixteenth of the bytes each after a smaller first group, so that a group is ready early
+    and the exponents cost about sixteen small all-reduces, not one per leaf."""
     nbytes = [x[0].numel() * x[0].element_size() for x in reversed(leaves)]
-    cap = rule_of_thumb(sum(nbytes), FIRST_CAP_BYTES)
-    groups = pack(nbytes, [None] * len(nbytes), cap, first_cap=FIRST_CAP_BYTES)
+    cap = max(sum(nbytes) // _EXPONENT_GROUPS, 1)
+    groups = pack(nbytes, [None] * len(nbytes), cap, first_cap=max(cap // 4, 1))
     return [[len(leaves) - 1 - i for i in group] for group in groups]
 
 
