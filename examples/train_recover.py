@@ -1,50 +1,45 @@
-"""python examples/train_recover.py --ranks 3 --steps 30 --kill-at 10
+"""python -m fddp.run --standalone --nproc-per-node=3 --max-replacements=1 examples/train_recover.py
 
-Training that survives a dead rank without a restart: ``fddp.recoverable``.
+Training that survives a dead rank without a restart: ``fddp.recoverable`` under ``fddp.run``.
 
-This script is its own launcher: it hosts the ``TCPStore`` the ranks form their groups from
-(the store must outlive every rank, so it cannot live in rank 0) and starts ``--ranks`` worker
-processes of itself. At step ``--kill-at`` the last rank SIGKILLs itself in the middle of the
-run (as the OOM killer would); the others discard that step, agree on who is left, form a new
-group without it and redo the step over the same global batch, each taking over a share of the
-dead rank's micro-batches, then keep training. Each survivor prints what happened and the
-SHA-256 of its final parameters (equal on all survivors).
+``python -m fddp.run`` takes torchrun's flags, starts the workers and hosts the store they agree
+through; unlike torchrun, it leaves the others running when a worker dies, and with
+``--max-replacements`` it starts a new worker in the dead one's place. At step ``--kill-at`` the
+last rank SIGKILLs itself (as the OOM killer would); the others discard that step, agree on who
+is left, form a new group without it and redo the step over the same global batch, each taking
+over a share of the dead rank's micro-batches, then keep training. The replacement is admitted
+at a step boundary and receives the parameters, the optimizer state and the random generators.
+Kill any worker yourself as well (``kill -9 PID``; each prints its pid): the job still finishes,
+and the launcher exits 0.
 
-torchrun cannot run this: its agent stops every worker as soon as one fails (and restarts all
-of them with ``--max-restarts``, the checkpoint path of examples/elastic.py). A launcher for
-in-job recovery must leave the survivors running, as this one does.
+The step runs in invariant mode, dropout included, so every worker prints the same SHA-256 of
+its final parameters, and ``python examples/train_recover.py`` (one process, no failure) prints
+it too.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import os
 import signal
-import subprocess
-import sys
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 import fddp
 
 FEATURES = 16
-MICRO_BATCHES = 12  # divisible by 3, 2 and 1 ranks: no padding after a loss
-MICRO_ROWS = 4
+MICRO_BATCHES = 12  # divisible by 3, 2 and 1 ranks: whole micro-batches after any loss
+MICRO_ROWS = 16
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[2])
-    parser.add_argument("--ranks", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--kill-at", type=int, default=10, help="step at which the last rank dies")
-    parser.add_argument("--timeout", type=float, default=30.0, help="collective timeout (s)")
-    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--timeout", type=float, default=60.0, help="collective timeout (s)")
     return parser.parse_args()
 
 
@@ -62,36 +57,38 @@ def digest(params: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
-def worker(args: argparse.Namespace) -> None:
-    rank = args.worker
-    store = dist.TCPStore(
-        "127.0.0.1", args.port, is_master=False, timeout=datetime.timedelta(seconds=60)
-    )
+def main() -> None:
+    args = parse_args()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(FEATURES, 64), nn.Tanh(), nn.Linear(64, 1))
+    model = nn.Sequential(
+        nn.Linear(FEATURES, 64), nn.Tanh(), nn.Dropout(0.1), nn.Linear(64, 64), nn.Tanh(),
+        nn.Linear(64, 1),
+    )  # fmt: skip
     apply = fddp.functional(model)
-    opt = fddp.optim.adamw(1e-2)
+    opt = fddp.optim.adamw(1e-3)
 
     def loss_fn(params, batch):
         x, y = batch
         return F.mse_loss(apply(params, {}, x), y)
 
+    # store, rank and world size come from fddp.run (plain python: a world of one)
     rstep = fddp.recoverable(
         loss_fn,
         opt,
-        store=store,
-        rank=rank,
-        world_size=args.ranks,
         micro_batches=MICRO_BATCHES,
         timeout=args.timeout,
+        invariant=True,
+        admit_every=2,
     )
+    rank, first_world = rstep.uid, len(rstep.members)
+    print(f"rank {rank}: pid {os.getpid()}, starting at step {rstep.step}", flush=True)
     params = fddp.state(model)[0]
     opt_state = opt.init(params)
-    for step in range(args.steps):
-        if step == args.kill_at and rank == args.ranks - 1:
+    for step in range(rstep.step, args.steps):
+        if step == args.kill_at and first_world > 1 and rank == first_world - 1:
             os.kill(os.getpid(), signal.SIGKILL)
         params, opt_state, loss = rstep(params, opt_state, global_batch(step))
-        if rstep.members[0] == rank and (step + 1) % 5 == 0:
+        if rstep.members[0] == rank and (step + 1) % 10 == 0:
             print(f"step {step + 1}: loss {loss.item():.5f} on {len(rstep.members)} ranks")
     for r in rstep.recoveries:
         print(
@@ -100,31 +97,6 @@ def worker(args: argparse.Namespace) -> None:
         )
     print(f"rank {rank}: final params sha256 {digest(params)}", flush=True)
     rstep.close()
-
-
-def launch(args: argparse.Namespace) -> None:
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
-    command = [sys.executable, __file__, "--ranks", str(args.ranks), "--steps", str(args.steps)]
-    command += ["--kill-at", str(args.kill_at), "--timeout", str(args.timeout)]
-    command += ["--port", str(store.port)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([*command, "--worker", str(r)], env=env) for r in range(args.ranks)]
-    codes = [p.wait() for p in procs]
-    print(f"exit codes: {codes}")
-    survivors = [c for c in codes if c == 0]
-    if len(survivors) != args.ranks - (0 <= args.kill_at < args.steps):
-        sys.exit(1)
-
-
-def main() -> None:
-    args = parse_args()
-    if args.worker is None:
-        launch(args)
-    else:
-        worker(args)
 
 
 if __name__ == "__main__":

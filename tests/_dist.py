@@ -124,15 +124,17 @@ def run_checks(
     module-level zero-argument function (bind arguments with ``functools.partial``) that every
     rank runs in the given order, so the checks' collectives line up across ranks. A check that
     raises is recorded with its traceback and the next one runs; each rank sends each outcome
-    as soon as it has it, so a check that hangs (the run's ``timeout``) or kills its process
-    costs only itself and the checks after it. Write checks that fail alike on every rank (same
-    code, same shapes): a check that raises on one rank only leaves the others waiting in its
-    collectives until the timeout.
+    as soon as it has it, so a check that hangs (no check finishes for ``timeout`` seconds) or
+    kills its process costs only itself and the checks after it. Write checks that fail alike
+    on every rank (same code, same shapes): a check that raises on one rank only leaves the
+    others waiting in its collectives until the timeout.
 
     Args:
         checks: ``{name: check}``, run in this order.
         world_size: number of ranks.
-        timeout: seconds for the whole spawn.
+        timeout: seconds the spawn may go without a check finishing on some rank (each
+            outcome restarts it): a hang is found, while a machine loaded enough to stretch
+            every check does not run the last checks out of time.
         env: extra environment variables for the ranks.
 
     Returns:
@@ -374,6 +376,7 @@ class _Run:
         self.first_error_at = 0.0
         self.logs: list[str] = []
         self.procs: list[Any] = []  # multiprocessing.Process or _ForkedRank: same methods
+        self.deadline = 0.0  # set when the ranks start; each check's outcome moves it on
 
     def run(self) -> list[Any]:
         if not _SPAWN:
@@ -382,18 +385,18 @@ class _Run:
         with tempfile.TemporaryDirectory(prefix="fddp-ranks-") as tmp:
             self.logs = [os.path.join(tmp, f"rank{r}.log") for r in range(self.world_size)]
             conns: dict[Connection, int] = {}
-            deadline = time.monotonic() + self.timeout
+            self.deadline = time.monotonic() + self.timeout
             try:
                 for r in range(self.world_size):
                     args = (r, self.world_size, port, self.payload, self.logs[r], self.env)
                     recv, proc = _start_rank(args, f"fddp-rank{r}")
                     self.procs.append(proc)
                     conns[recv] = r
-                self._collect(conns, deadline)
+                self._collect(conns, self.deadline)
                 if self.errors:
                     self._kill_all()
                     raise AssertionError(self._error_message())
-                self._join(deadline)
+                self._join(self.deadline)
             finally:
                 self._kill_all()
                 for c in conns:
@@ -416,6 +419,9 @@ class _Run:
                     message = pickle.loads(conn.recv_bytes())
                     if message[0] == "report":  # one check's outcome; the rank goes on
                         self.reports.setdefault(rank, {})[message[1]] = message[2]
+                        if not self.errors:  # progress: the time limit starts again
+                            deadline = max(deadline, time.monotonic() + self.timeout)
+                            self.deadline = deadline
                         continue
                     status, value = message
                 except EOFError:
@@ -457,7 +463,7 @@ class _Run:
         self._kill_all()
         finished = [r for r in range(self.world_size) if r not in ranks]
         head = (
-            f"timeout after {self.timeout:g} s: rank(s) {ranks} {what} "
+            f"timeout: no progress for {self.timeout:g} s: rank(s) {ranks} {what} "
             f"(finished: {finished or 'none'}); their stacks (dumped before the kill) and "
             "output follow"
         )

@@ -92,6 +92,25 @@ def test_single_tensor_and_load_without_like(tmp_path: Path) -> None:
     assert "['opt_state'][0].mu['bias']" in flat
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002], ids=oct)
+def test_files_get_the_usual_permissions_less_the_umask(tmp_path: Path, umask: int) -> None:
+    """A checkpoint is created like any new file (``open(path, "w")``): mode 0o666 less the
+    umask, for the single file and for a sharded checkpoint's files."""
+    previous = os.umask(umask)
+    try:
+        save(tmp_path / "ckpt.pt", make_tree())
+        fddp.save_sharded(tmp_path / "sharded", make_tree())
+        with open(tmp_path / "plain", "w"):
+            pass
+    finally:
+        os.umask(previous)
+    files = [tmp_path / "ckpt.pt", *(p for p in (tmp_path / "sharded").rglob("*") if p.is_file())]
+    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in files}
+    want = oct((tmp_path / "plain").stat().st_mode & 0o777)
+    assert want == oct(0o666 & ~umask)
+    assert modes == dict.fromkeys(modes, want)
+
+
 def test_missing_and_extra_leaves_are_named(tmp_path: Path) -> None:
     path = tmp_path / "ckpt.pt"
     save(path, make_tree())
@@ -385,19 +404,20 @@ def _check_save_after_a_peer_timed_out(tmpdir: str) -> None:
     fddp.init(timeout=1)  # applied to the existing group
     timed_out = Path(tmpdir) / "timed-out"
     if rank == 0:
-        with pytest.raises(RuntimeError, match="Timed out"):
+        with pytest.raises(RuntimeError):  # gloo's own words differ by where it timed out
             dist.all_reduce(torch.ones(1))  # rank 1 is stuck
         timed_out.touch()
     else:
         while not timed_out.exists():
             time.sleep(0.01)
-        with pytest.raises(RuntimeError, match="Connection closed"):
+        with pytest.raises(RuntimeError):  # rank 0 gave up on the group: its links closed
             dist.all_reduce(torch.ones(1))
     path = os.path.join(tmpdir, "after-timeout.pt")
     for attempt in range(2):
         with pytest.raises(fddp.RankFailureError, match=r"fddp\.save: a collective failed") as info:
             save(path, {"w": torch.ones(3)})
-        assert "pair closure" in str(info.value) or "Connection closed" in str(info.value)
+        cause = info.value.__cause__  # the backend's own error, whatever its words
+        assert isinstance(cause, RuntimeError) and not isinstance(cause, fddp.RankFailureError)
         print(f"rank {rank}: save {attempt}: {str(info.value).splitlines()[0]}")
     assert not os.path.exists(path)
 

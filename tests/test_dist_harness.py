@@ -164,6 +164,18 @@ def test_rank_stuck_in_collective_times_out(hung_runs):
     assert seconds < HANG_TIMEOUT_S + 15.0
 
 
+def _slow_check() -> int:
+    time.sleep(4.0)
+    return dist.get_rank()
+
+
+def test_checks_that_each_finish_in_time_are_not_cut_off_by_their_sum():
+    """The time limit is on progress: two checks of 4 s each finish under a 6 s limit (a
+    whole-spawn budget ran out under load with its last check unfinished)."""
+    runs = run_checks({"first": _slow_check, "second": _slow_check}, 2, timeout=6.0)
+    assert (runs["first"], runs["second"]) == ([0, 1], [0, 1]), runs.spawn_error
+
+
 def test_local_function_is_rejected_before_spawning():
     def local() -> None:
         pass

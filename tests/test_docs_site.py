@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import html
 import html.parser
 import importlib
 import inspect
+import json
 import os
 import re
 import shutil
@@ -74,13 +76,11 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def rendered(site: Path, page: str, tmp_path: Path) -> _Page:
-    """The page's DOM after headless Chromium loaded it."""
+def _dom(path: Path, tmp_path: Path, *options: str) -> str:
+    """The DOM of the HTML file ``path`` after headless Chromium loaded it."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         _unavailable("chromium is not installed (apt-get install -y chromium)")
-    path = site / page / "index.html"
-    assert path.is_file(), f"the site has no page {page}/"
     browser = subprocess.run(
         [
             chromium,
@@ -89,6 +89,7 @@ def rendered(site: Path, page: str, tmp_path: Path) -> _Page:
             "--disable-gpu",
             "--disable-dev-shm-usage",
             f"--user-data-dir={tmp_path / 'profile'}",
+            *options,
             "--dump-dom",
             path.as_uri(),
         ],
@@ -97,12 +98,42 @@ def rendered(site: Path, page: str, tmp_path: Path) -> _Page:
         timeout=60,
     )
     assert browser.returncode == 0 and "</html>" in browser.stdout, browser.stderr[-2000:]
-    return _Page(browser.stdout)
+    return browser.stdout
+
+
+def rendered(site: Path, page: str, tmp_path: Path) -> _Page:
+    """The page's DOM after headless Chromium loaded it."""
+    path = site / page / "index.html"
+    assert path.is_file(), f"the site has no page {page}/"
+    return _Page(_dom(path, tmp_path))
+
+
+# Marks each code block that scrolls sideways with the length of its longest line.
+_CLIPPED = """<script>addEventListener("load", () => document.body.dataset.clipped = JSON.stringify(
+  [...document.querySelectorAll(".md-typeset pre > code")]
+    .filter((code) => code.scrollWidth > code.clientWidth + 1)
+    .map((code) => Math.max(...code.textContent.split("\\n").map((line) => line.length)))));
+</script></body>"""
 
 
 def test_quickstart_page_shows_the_readme_quickstart(site: Path, tmp_path: Path) -> None:
     page = rendered(site, "quickstart", tmp_path)
     assert quickstart().strip() in [block.strip() for block in page.blocks]
+
+
+@pytest.mark.parametrize(
+    "page", ["quickstart", "guides/from-ddp", "guides/recovery", "reference/optim"]
+)
+def test_code_of_100_columns_fits_a_1280_px_window(site: Path, tmp_path: Path, page: str) -> None:
+    """Code is written to 100 columns (ruff's line length): in a 1280 px wide window no such
+    block is cut at the right edge (only longer lines, printed output, scroll)."""
+    probe = site / page / "probe.html"
+    probe.write_text((site / page / "index.html").read_text().replace("</body>", _CLIPPED))
+    dom = _dom(probe, tmp_path, "--window-size=1280,900", "--virtual-time-budget=5000")
+    found = re.search(r'data-clipped="([^"]*)"', dom)
+    assert found, "the probe did not run"
+    longest = json.loads(html.unescape(found.group(1)))
+    assert [n for n in longest if n <= 100] == [], longest
 
 
 def test_api_page_shows_signatures_and_examples(site: Path, tmp_path: Path) -> None:
@@ -121,6 +152,22 @@ def test_reference_documents_every_public_name(site: Path, namespace: str) -> No
     public = [name for name in module.__all__ if not inspect.ismodule(getattr(module, name, None))]
     missing = [name for name in public if f"{namespace}.{name}" not in page.ids]
     assert public and not missing, f"{namespace}: no entry for {missing}"
+
+
+def test_fddp_reference_leads_with_the_step_and_ends_with_the_errors(site: Path) -> None:
+    """The page follows ``fddp.__all__``, which reads from init and data_parallel to the error
+    classes, last."""
+    text = (site / "reference" / "fddp" / "index.html").read_text()
+    shown = list(dict.fromkeys(re.findall(r'id="fddp\.(\w+)"', text)))
+    public = [name for name in fddp.__all__ if not inspect.ismodule(getattr(fddp, name))]
+    assert shown == public
+    errors = [
+        n
+        for n in public
+        if isinstance(getattr(fddp, n), type) and issubclass(getattr(fddp, n), Exception | Warning)
+    ]
+    assert public.index("data_parallel") < 10
+    assert public[-len(errors) :] == errors
 
 
 def test_ddp_guide_shows_its_loop(site: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -197,3 +198,31 @@ def test_ensemble_one_process(examples) -> None:
     for m in range(3):  # 10 classes; after 30 steps the members reach 74-79 %, untrained 10-20 %
         assert number(rf"member {m}: test accuracy ([\d.]+)%", output) >= 50
     assert number(r"ensemble of 3 \(mean logits\): test accuracy ([\d.]+)%", output) >= 60  # 79.3
+
+
+def test_train_recover_through_the_launcher(tmp_path: Path) -> None:
+    """The documented command, shortened: rank 2 dies, the job ends with exit 0 and every
+    worker's parameters are those of one process without failures (invariant mode)."""
+    script = EXAMPLES / "train_recover.py"
+    command = shlex.split(script.read_text().splitlines()[0].strip('"'))
+    assert (
+        command[:3] == ["python", "-m", "fddp.run"] and command[-1] == "examples/train_recover.py"
+    )
+    short = ["--steps", "12", "--kill-at", "4"]
+    launched = Job(
+        "train_recover", [([sys.executable, *command[1:], *short], script_env())], tmp_path
+    )
+    alone = [sys.executable, str(script), *short[:2]]
+    reference = Job("train_recover_alone", [(alone, script_env())], tmp_path, forked=True)
+    try:
+        reference.assert_succeeded()
+        launched.assert_succeeded()
+    finally:
+        launched.stop()
+        reference.stop()
+    output = launched.output(0)
+    assert "fddp.run: rank 2 (pid" in output and "was killed by SIGKILL" in output, output
+    (want,) = re.findall(r"final params sha256 (\w+)", reference.output(0))
+    got = re.findall(r"rank (\d+): final params sha256 (\w+)", output)
+    assert {"0", "1"} <= {rank for rank, _ in got}, output
+    assert {digest for _, digest in got} == {want}, output

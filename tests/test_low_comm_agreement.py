@@ -46,7 +46,7 @@ def _first_call_error(**per_rank):
 
 
 def check_corrupted_state():
-    """Every phase compiled, then rank 1's outer parameters changed by 1e-3: the next sync
+    """Every phase compiled, then rank 1's outer parameters changed by 1e-3: the next call
     refuses it on every rank and leaves the caller's state as it was."""
     rank = fddp.rank()
     inner_opt = optim.sgd(0.1)
@@ -149,11 +149,11 @@ def test_per_rank_options_are_refused_naming_the_option(runs, name, says):
         assert message is not None and says in message, message
 
 
-def test_a_state_changed_on_one_rank_after_compiling_is_refused_at_the_next_sync(runs):
+def test_a_state_changed_on_one_rank_after_compiling_is_refused_at_the_next_call(runs):
     for rank, (message, state, before) in enumerate(runs["corrupted_state"]):
         assert message is not None, f"rank {rank} ran on"
-        assert "state.params['2.weight'] is float32 [8, 8] digest" in message
-        assert "synchronization after inner step 4" in message
+        assert "params['2.weight'] is float32 [8, 8] with digest" in message, message
+        assert "on rank 1 but" in message and "call 4" in message, message
         assert_trees_equal(state, before)  # the caller's state is untouched
 
 

@@ -1,13 +1,21 @@
 """fddp.recoverable: ranks killed inside a step (before, during and after the all-reduce) and a
-stopped rank; the survivors keep training and end where full-batch training ends."""
+stopped rank; the survivors keep training and end where full-batch training ends. Under
+python -m fddp.run (invariant mode, dropout): two kills in one regroup and their replacements,
+a straggler expelled, the store's host killed, each bitwise the run without failures; and a
+failure after the store was lost, ending with the error that says so. Every run starts at once,
+in one module fixture: most of their time is waiting (timeouts, settle windows)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import gc
+import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _compare import assert_trees_close, assert_trees_equal
-from _dist import script_env
+from _dist import process_tree, script_env
 from _recovery_scripts import common
 
 WORKER = Path(__file__).parent / "_recovery_scripts" / "worker.py"
@@ -34,6 +42,34 @@ STOPS = "1:2:stop,2:4:backward"
 MICRO_B = 9
 # a replacement (id 3) joins world B: admitted at the boundary of step JOIN_WAIT + 2
 JOIN_WAIT = 5
+# Under python -m fddp.run, 3 workers each, invariant mode with dropout, against "exact": one
+# process, no failure. "kills": member 1 dies in step 1, member 2 right after registering as a
+# survivor (a second failure inside the regroup); two replacements join once registered (the
+# members wait at step 4). "straggler": member 1 sleeps SLOW_S in step 2's forward pass.
+# "host": the launcher (the store's host) is SIGKILLed while the members wait before step 3.
+# "lost" (2 members started here): the test drops its store while they wait before step 3;
+# member 1 dies in step 4.
+EXACT = {"FDDP_TEST_INVARIANT": "1", "FDDP_TEST_DROPOUT": "1"}
+SLOW_S = TIMEOUT_S + 3 * SETTLE_S  # the straggler registers 3 x settle after the others
+LAUNCHED = {
+    "kills": (
+        ["--max-replacements", "2"],
+        {
+            "FDDP_TEST_KILL": "1:1:forward",
+            "FDDP_TEST_KILL_IN_REGROUP": "2",
+            "FDDP_TEST_WAIT_JOIN_AT": "4",
+            "FDDP_TEST_WAIT_JOINS": "2",
+        },
+    ),
+    "straggler": (
+        [],
+        {
+            "FDDP_TEST_KILL": "1:2:slow",
+            "FDDP_TEST_SLOW_S": str(SLOW_S),
+        },
+    ),
+    "host": ([], {"FDDP_TEST_PAUSE_AT": "3"}),
+}
 
 
 def _store() -> dist.TCPStore:
@@ -75,12 +111,16 @@ def _stopped(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
-def _finish(procs: list[subprocess.Popen], deadline: float) -> list[int | None]:
-    """Wait for every member to exit or stop; kill the stopped ones; their exit codes."""
+def _finish(
+    procs: list[subprocess.Popen], deadline: float, meanwhile: Callable[[], None]
+) -> list[int | None]:
+    """Wait for every member to exit or stop (calling ``meanwhile``); kill the stopped ones;
+    their exit codes."""
     while time.monotonic() < deadline:
         running = [p for p in procs if p.poll() is None]
         if all(_stopped(p.pid) for p in running):
             break
+        meanwhile()
         time.sleep(0.1)
     codes = []
     for p in procs:
@@ -94,6 +134,103 @@ def _finish(procs: list[subprocess.Popen], deadline: float) -> list[int | None]:
         else:
             codes.append(p.returncode)
     return codes
+
+
+def _env(**extra: str) -> dict[str, str]:
+    timing = {"FDDP_TEST_TIMEOUT": str(TIMEOUT_S), "FDDP_TEST_SETTLE": str(SETTLE_S)}
+    return script_env(**{**timing, **extra})
+
+
+def _logged(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    with open(log, "wb") as out:
+        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _steps(directory: Path, ids: range) -> list[int]:
+    files = [directory / f"{u}.step" for u in ids]
+    return [int(f.read_text() or 0) for f in files if f.exists()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Launches:
+    """The fddp.run scenarios, the exact reference and the "lost" pair: started at once, moved
+    on by :meth:`poke` (kill the host, drop the store) while the test waits for anything."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.dirs = {name: root / name for name in (*LAUNCHED, "exact", "lost")}
+        for d in self.dirs.values():
+            d.mkdir()
+        exact = [sys.executable, str(WORKER), str(self.dirs["exact"])]
+        self.procs = {"exact": _logged(exact, _env(**EXACT), root / "exact.log")}
+        for name, (options, env) in LAUNCHED.items():
+            command = [sys.executable, "-m", "fddp.run", "--standalone", "--nproc-per-node", "3"]
+            command += [*options, str(WORKER), str(self.dirs[name])]
+            self.procs[name] = _logged(command, _env(**EXACT, **env), root / f"{name}.log")
+        self.store: dist.TCPStore | None = _store()
+        port, lost = str(self.store.port), self.dirs["lost"]
+        self.lost = [
+            _logged(
+                [sys.executable, str(WORKER), str(u), "2", port, str(lost / f"{u}.pt")],
+                _env(FDDP_TEST_KILL="1:4:forward", FDDP_TEST_PAUSE_AT="3"),
+                root / f"lost{u}.log",
+            )
+            for u in range(2)
+        ]
+        self.orphans: list[int] = []  # the host's workers, once their launcher is killed
+
+    def poke(self) -> None:
+        host = self.procs["host"]
+        if host.poll() is None and _steps(self.dirs["host"], range(3)) == [3, 3, 3]:
+            self.orphans = process_tree(host.pid)[1:]
+            host.kill()
+            (self.dirs["host"] / "go").touch()
+        if self.store is not None and _steps(self.dirs["lost"], range(2)) == [3, 3]:
+            self.store = None
+            gc.collect()  # the last reference to the master store: its server stops
+            (self.dirs["lost"] / "go").touch()
+
+    def finish(self, deadline: float) -> tuple[dict, dict, dict]:
+        """Wait for every process (the host's orphaned workers too), kill what is left; the
+        exit codes, the logs' tails and what each worker wrote."""
+        everything = [*self.procs.values(), *self.lost]
+        try:
+            while time.monotonic() < deadline:
+                self.poke()
+                if all(p.poll() is not None for p in everything) and not any(
+                    _alive(pid) for pid in self.orphans
+                ):
+                    break
+                time.sleep(0.1)
+        finally:
+            for pid in [pid for p in everything for pid in process_tree(p.pid)] + self.orphans:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        codes = {name: p.wait() for name, p in self.procs.items()}
+        codes["lost"] = [p.wait() for p in self.lost]
+        logs = {
+            name: (self.root / f"{name}.log").read_text(errors="replace") for name in self.procs
+        }
+        logs["lost"] = "".join(
+            (self.root / f"lost{u}.log").read_text(errors="replace") for u in (0, 1)
+        )
+        results = {
+            name: {int(f.stem): torch.load(f, weights_only=False) for f in d.glob("*.pt")}
+            for name, d in self.dirs.items()
+        }
+        return codes, {name: log[-4000:] for name, log in logs.items()}, results
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
+    return Launches(tmp_path_factory.mktemp("launch"))
 
 
 def _reference(micro_batches: int) -> dict[str, torch.Tensor]:
@@ -111,7 +248,7 @@ def _reference(micro_batches: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory):
+def runs(tmp_path_factory: pytest.TempPathFactory, launches: Launches):
     a, b = tmp_path_factory.mktemp("kills"), tmp_path_factory.mktemp("stop")
     store_a, store_b = _store(), _store()
     d = tmp_path_factory.mktemp("reference")
@@ -127,14 +264,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
         "FDDP_TEST_DONATE": "1",  # a failed step may have written into the state: restored
     }
     procs_b = _start(range(3), 3, STOPS, store_b, b, **env_b)
-    deadline = time.monotonic() + 150
+    deadline = time.monotonic() + 240
     # the replacement starts once the survivors of the stop have agreed (it then registers
     # while they train; they wait for it at step JOIN_WAIT and admit it at JOIN_WAIT + 2)
     while time.monotonic() < deadline and not store_b.check(["fddp-recoverable/g0/roster"]):
+        launches.poke()
         time.sleep(0.1)
     procs_b += _start(range(3, 4), 3, "", store_b, b, FDDP_TEST_JOIN="1", **env_b)
     started = {"a": procs_a, "b": procs_b, "d": procs_d, "e": procs_e}
-    codes = {name: _finish(procs, deadline) for name, procs in started.items()}
+    codes = {name: _finish(procs, deadline, launches.poke) for name, procs in started.items()}
     logs = {
         name: [p.stdout.read().decode(errors="replace")[-3000:] for p in procs]
         for name, procs in started.items()
@@ -239,4 +377,88 @@ def test_rejects_bad_options_before_forming_a_group(no_default_group):
             invariant=True,
             compile=True,
         )
+    # invariant mode on 3 members that may shrink to 2 or 1: 9 micro-batches do not split over 2
+    shrinks = r"micro_batches=9 does not split evenly over 2 members.*any of 3, 2 or 1 members"
+    with pytest.raises(ValueError, match=shrinks):
+        fddp.recoverable(
+            lambda p, b: p, opt, store=store, rank=0, world_size=3, micro_batches=9, invariant=True
+        )
+    with pytest.raises(ValueError, match="min_world_size=4 must be an int in"):
+        fddp.recoverable(
+            lambda p, b: p,
+            opt,
+            store=store,
+            rank=0,
+            world_size=3,
+            micro_batches=9,
+            min_world_size=4,
+        )
     assert not dist.is_initialized()
+
+
+def test_refuses_torchrun_and_names_the_launcher(no_default_group, monkeypatch):
+    import fddp
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")  # what torchrun's agent sets
+    monkeypatch.delenv("FDDP_RUN", raising=False)
+    with pytest.raises(ValueError, match=r"python -m fddp\.run"):
+        fddp.recoverable(lambda p, b: p, fddp.optim.sgd(0.1), micro_batches=1)
+    with pytest.raises(SystemExit):  # fddp.run replaces workers; it does not restart them
+        fddp.run.main(["--max-restarts", "1", "train.py"])
+    assert not dist.is_initialized()
+
+
+@pytest.fixture(scope="module")
+def launched(runs, launches: Launches):
+    return launches.finish(time.monotonic() + 120)
+
+
+def _assert_like_exact(results, name: str, members: tuple[int, ...]) -> None:
+    (exact,) = results["exact"].values()
+    assert exact["recovered_steps"] == ()
+    for u in members:
+        done = results[name][u]
+        assert done["members"] == members, done
+        # invariant mode, dropout keyed by micro-batch, the generators put back after a failed
+        # attempt and handed to replacements: no bit of the parameters, the optimizer state or
+        # the generator differs from the run without failures
+        assert_trees_equal(
+            (done["params"], done["opt_state"], done["rng"]),
+            (exact["params"], exact["opt_state"], exact["rng"]),
+        )
+
+
+def test_launched_two_kills_in_one_regroup_then_two_replacements(launched):
+    codes, logs, results = launched
+    assert codes["kills"] == 0, logs["kills"]
+    assert sorted(results["kills"]) == [0, 3, 4], logs["kills"]
+    first = results["kills"][0]
+    assert (first["recovered_steps"], first["lost"]) == ((1,), [(1, 2)]), logs["kills"]
+    # the regroup without 1, again without 2, then one admission of both replacements or one
+    # each, as their registrations fall on the same admission poll or on two
+    assert first["generation"] in (3, 4)
+    assert set(first["members"]) == {0, 3, 4}
+    _assert_like_exact(results, "kills", first["members"])
+
+
+def test_launched_straggler_is_expelled_and_the_others_go_on(launched):
+    codes, logs, results = launched
+    assert codes["straggler"] == 0, logs["straggler"]
+    assert "was expelled" in results["straggler"][1]["error"], logs["straggler"]
+    first = results["straggler"][0]
+    assert (first["recovered_steps"], first["lost"]) == ((2,), [(1,)]), logs["straggler"]
+    _assert_like_exact(results, "straggler", (0, 2))
+
+
+def test_launched_killing_the_store_host_does_not_stop_a_healthy_job(launched):
+    codes, logs, results = launched
+    assert codes["host"] == -signal.SIGKILL
+    assert sorted(results["host"]) == [0, 1, 2], logs["host"]
+    assert {(r["generation"], r["recovered_steps"]) for r in results["host"].values()} == {(0, ())}
+    _assert_like_exact(results, "host", (0, 1, 2))
+
+
+def test_a_failure_after_the_store_was_lost_says_so(launched):
+    codes, logs, results = launched
+    assert codes["lost"] == [1, -signal.SIGKILL], logs["lost"]
+    assert "the store was lost" in results["lost"][0]["error"], logs["lost"]

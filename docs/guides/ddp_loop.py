@@ -40,8 +40,9 @@ def step(params, opt_state, buffers, x, y):
     (loss, buffers), grads = fddp.value_and_grad(loss_fn, has_aux=True)(params, buffers, x, y)
     grads = fddp.pmean(grads)  # DDP's all-reduce in backward()
     buffers = fddp.nn.sync_buffers(buffers, "broadcast")  # DDP's broadcast_buffers=True
+    grad_norm = optim.global_norm(grads)  # what clip_grad_norm_ returns: the norm before clipping
     updates, opt_state = opt.update(grads, opt_state, params)  # clip, then AdamW at the schedule
-    return optim.apply_updates(params, updates), opt_state, buffers, fddp.pmean(loss)
+    return optim.apply_updates(params, updates), opt_state, buffers, fddp.pmean(loss), grad_norm
 
 
 checkpoint = "ddp_loop.ckpt"
@@ -56,11 +57,14 @@ for epoch in range(start, epochs):
     sampler.set_epoch(epoch)
     model.train()
     for x, y in loader:
-        params, opt_state, buffers, loss = step(params, opt_state, buffers, x, y)
+        params, opt_state, buffers, loss, grad_norm = step(params, opt_state, buffers, x, y)
     state = {"params": params, "opt": opt_state, "buffers": buffers, "epoch": epoch + 1}
     fddp.save(checkpoint, state)  # every rank calls it, rank 0 writes
     model.eval()  # eval mode: running statistics
     logits, _ = apply(params, buffers, data.tensors[0][:128])
     accuracy = (logits.argmax(1) == data.tensors[1][:128]).float().mean()
     if fddp.rank() == 0:
-        print(f"epoch {epoch}: loss {loss.item():.3f}, accuracy {accuracy.item():.2f}")
+        print(
+            f"epoch {epoch}: loss {loss.item():.3f}, grad norm {grad_norm.item():.3f}, "
+            f"accuracy {accuracy.item():.2f}"
+        )

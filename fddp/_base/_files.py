@@ -202,7 +202,7 @@ def create_temp(prefix: str, *, directory: bool = False) -> tuple[str, int]:
                 os.mkdir(tmp)
                 fd = os.open(tmp, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)
             else:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o666)
         except FileExistsError:
             done(tmp)
             continue

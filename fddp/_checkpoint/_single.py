@@ -9,6 +9,7 @@ import optree
 import torch
 import torch.distributed as dist
 
+from fddp._base import _saved_together
 from fddp._base._errors import UsageValueError
 from fddp._base._types import TensorTree
 from fddp._checkpoint import _format, _like, _rank0
@@ -93,6 +94,9 @@ def save(path: PathLike, tree: TensorTree, *, rank0_only: bool = True) -> None:
     paths, leaves, treespec = _like.flatten(_pending.finished(tree))
     for leaf_path, leaf in zip(paths, leaves):
         _like.check_savable(leaf_path, leaf, "fddp.save")
+    apart = _saved_together.missing(leaves)
+    if apart is not None:
+        raise UsageValueError(f"fddp.save({path!r}): {apart}. Nothing was written.")
     payload = {
         "format": "fddp.checkpoint",
         "version": _format.VERSION,
@@ -126,11 +130,15 @@ def load(path: PathLike, like: TensorTree | None = None) -> TensorTree:
         path: A file written by :func:`save`.
         like: A tree with the structure, shapes, dtypes and devices to restore, e.g. freshly
             initialised params and optimizer state; its values are not used. Without it,
-            returns the file's content as a flat ``{leaf path: leaf}`` dict, to inspect or
-            migrate an old checkpoint.
+            returns the file's content as a flat ``{leaf path: leaf}`` dict, keyed by the
+            indexing that reaches each leaf (``"['params']['0.weight']"``,
+            ``"['opt'][0].mu['0.bias']"``), to inspect or migrate an old checkpoint: the file
+            holds no container classes (no code runs on load), so the tree itself comes back
+            only through ``like``.
 
     Returns:
-        A new tree with the structure of ``like`` holding the saved leaves.
+        A new tree with the structure of ``like`` holding the saved leaves (without ``like``:
+        the flat dict above).
 
     Raises:
         FileNotFoundError: If ``path`` does not exist.

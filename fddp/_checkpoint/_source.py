@@ -16,7 +16,7 @@ import torch
 from fddp._base import _files
 from fddp._checkpoint import _dcp, _like, _manifest, _storage
 
-__all__ = ["METADATA", "Source"]
+__all__ = ["METADATA", "Source", "parse_metadata"]
 
 METADATA = ".metadata"
 _OPEN_ATTEMPTS = 5
@@ -142,38 +142,7 @@ class Source:
     def _read_metadata(self) -> Any:
         """DCP's metadata, checksum verified and unpickled through the allowlist."""
         with self._verified(METADATA) as f:
-            raw = f.read()
-        try:
-            metadata = _storage.MetadataUnpickler(io.BytesIO(raw)).load()
-        except _storage.RefusedGlobal as e:
-            raise ValueError(
-                f"checkpoint {self.path}: its {METADATA} names {e}, which "
-                "is not one of torch.distributed.checkpoint's metadata classes; refusing to "
-                "unpickle it (no code from a checkpoint runs)."
-            ) from None
-        except Exception as e:
-            raise ValueError(
-                f"checkpoint {self.path} is corrupted or truncated ({METADATA} cannot be "
-                f"unpickled: {type(e).__name__}: {e}){self.advice}"
-            ) from None
-        dcp = _storage.dcp()
-        storage = getattr(metadata, "storage_data", None)
-        if not (
-            isinstance(metadata, dcp.Metadata)
-            and isinstance(metadata.state_dict_metadata, dict)
-            and isinstance(storage, dict)
-            and all(isinstance(info, dcp.StorageInfo) for info in storage.values())
-        ):
-            raise ValueError(f"checkpoint {self.path}: {METADATA} is not DCP's metadata")
-        for info in storage.values():
-            name = info.relative_path
-            listed = name in self.files if self.files is not None else True
-            if not (isinstance(name, str) and re.fullmatch(_manifest.FILE, name) and listed):
-                raise ValueError(
-                    f"checkpoint {self.path} is corrupted ({METADATA} refers to file {name!r}, "
-                    f"which is not a file of its data directory){self.advice}"
-                )
-        return metadata
+            return parse_metadata(f.read(), self.path, self.files, self.advice)
 
     def _verified(self, name: str) -> BinaryIO:
         """File ``name`` of the data directory, open at its start, its size and checksum
@@ -241,3 +210,42 @@ class Source:
                 want = torch.empty(piece[3], dtype=leaf.dtype, device="meta")
             problems += _like.leaf_problems(key, got, want, "checkpoint")
         _like.check_leaves(self.path, problems, like_advice)
+
+
+def parse_metadata(
+    raw: bytes, path: str, files: dict[str, dict[str, Any]] | None, advice: str
+) -> Any:
+    """DCP's metadata from the bytes of checkpoint ``path``'s metadata file, unpickled through
+    the allowlist; every file it places data in must be one of ``files`` (any name of the
+    checkpoint's file pattern when ``files`` is None: a plain DCP directory)."""
+    try:
+        metadata = _storage.MetadataUnpickler(io.BytesIO(raw)).load()
+    except _storage.RefusedGlobal as e:
+        raise ValueError(
+            f"checkpoint {path}: its {METADATA} names {e}, which is not one of "
+            "torch.distributed.checkpoint's metadata classes; refusing to unpickle it (no code "
+            "from a checkpoint runs)."
+        ) from None
+    except Exception as e:
+        raise ValueError(
+            f"checkpoint {path} is corrupted or truncated ({METADATA} cannot be unpickled: "
+            f"{type(e).__name__}: {e}){advice}"
+        ) from None
+    dcp = _storage.dcp()
+    storage = getattr(metadata, "storage_data", None)
+    if not (
+        isinstance(metadata, dcp.Metadata)
+        and isinstance(metadata.state_dict_metadata, dict)
+        and isinstance(storage, dict)
+        and all(isinstance(info, dcp.StorageInfo) for info in storage.values())
+    ):
+        raise ValueError(f"checkpoint {path}: {METADATA} is not DCP's metadata")
+    for info in storage.values():
+        name = info.relative_path
+        listed = name in files if files is not None else True
+        if not (isinstance(name, str) and re.fullmatch(_manifest.FILE, name) and listed):
+            raise ValueError(
+                f"checkpoint {path} is corrupted ({METADATA} refers to file {name!r}, which is "
+                f"not a file of its data directory){advice}"
+            )
+    return metadata

@@ -89,7 +89,7 @@ class ProcessAxis:
 
     def index(self) -> torch.Tensor:
         # the one value that is per rank by construction
-        with fx_traceback.annotate({_annotations.AXIS_INDEX: True}):
+        with fx_traceback.annotate({_annotations.AXIS_INDEX: "the rank (fddp.axis_index)"}):
             return torch.tensor(self.group_rank)
 
     def psum(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -170,7 +170,12 @@ class _AllGather(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         # the rank comes in as an argument: Dynamo cannot trace a group lookup in backward
         total = _AllReduceSum.apply(grad.contiguous(), ctx.group_name)
-        return total.narrow(0, ctx.rank * ctx.rows, ctx.rows), None, None, None, None
+        rows = (
+            {_annotations.AXIS_INDEX: "all_gather's vjp: this rank's rows"} if ctx.size > 1 else {}
+        )
+        with fx_traceback.annotate(rows):
+            own = total.narrow(0, ctx.rank * ctx.rows, ctx.rows)
+        return own, None, None, None, None
 
 
 def _reduce_scatter(x: torch.Tensor, group_name: GroupName, size: int, gloo: bool) -> torch.Tensor:
@@ -181,7 +186,8 @@ def _reduce_scatter(x: torch.Tensor, group_name: GroupName, size: int, gloo: boo
         # Gloo's reduce-scatter costs 1.2-1.4x its all-reduce of the same tensor on loopback
         # (2 ranks, 1-16 MiB); its all-to-all moves the bytes a ring reduce-scatter does and,
         # with the local sum, costs 0.85-0.95x the all-reduce (benchmarks/collectives.py).
-        with fx_traceback.annotate({_annotations.AXIS_INDEX: True}):  # each rank's own blocks
+        # each rank's own blocks
+        with fx_traceback.annotate({_annotations.AXIS_INDEX: "psum_scatter: this rank's block"}):
             blocks = funcol.wait_tensor(funcol.all_to_all_single(x, None, None, group_name))
         return blocks.view(size, -1, *x.shape[1:]).sum(0)
     return funcol.wait_tensor(funcol.reduce_scatter_single(x, "sum", 0, group_name))

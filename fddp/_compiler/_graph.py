@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
+import torch.distributed
 from torch import fx
-
-from fddp._base._names import qualified_name
 
 c10d = torch.ops._c10d_functional
 ALL_REDUCE = c10d.all_reduce.default
@@ -34,6 +33,14 @@ _BOOKKEEPING = {
     "as_strided",
     "empty",
 }
+
+
+def group_of(name: object) -> str:
+    """A process group by its size: ranks of different subgroups of one axis (data_parallel's
+    ``axes``) name their groups differently and still run the same schedule."""
+    resolve = torch.distributed.distributed_c10d._resolve_process_group
+    group = resolve(cast(Any, name))  # a GroupName, as the graph's collective holds it
+    return f"group of {group.size()}"
 
 
 def _overload(node: fx.Node) -> torch._ops.OpOverload | None:
@@ -215,59 +222,3 @@ Storage = int  # a storage's address: the graph's values (node.meta) keep every 
 def storage(t: torch.Tensor) -> Storage:
     """Which storage ``t`` views: equal for tensors that share memory."""
     return t.untyped_storage()._cdata
-
-
-def comparable_lines(gm: fx.GraphModule) -> list[tuple[str, str]]:
-    """Every node of ``gm`` as a labelled line, comparable across ranks: its operator and its
-    arguments, with the constants among them.
-
-    What differs per rank by construction is left out: integers (the rank, and the offsets of
-    its own rows, enter the graph as integers; shapes are agreed with the signature), the device
-    index (rank r computes on cuda:r), the values of tensor constants (``axis_index`` is one),
-    of which only dtype and shape are compared, and the constants of collectives (their process
-    group's name is per process; the collective sequence compares them).
-    """
-    lines = []
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            value = getattr(gm, str(node.target), None)
-            text = (
-                f"constant {value.dtype} {list(value.shape)}"
-                if isinstance(value, torch.Tensor)
-                else f"constant {type(value).__name__}"
-            )
-        elif is_collective(node):  # its group's name is per process: the sequence has it
-            text = f"{_target(node.target)}({_portable(node.all_input_nodes)})"
-        elif node.op == "call_function":
-            text = f"{_target(node.target)}({_portable(node.args)}, {_portable(node.kwargs)})"
-        else:
-            text = f"{node.op}({_portable(node.args)})"
-        lines.append((f"node '{node.name}'", text))
-    return lines
-
-
-def _target(target: Any) -> str:
-    if isinstance(target, torch._ops.OpOverload):
-        return str(target)
-    return qualified_name(target)
-
-
-def _portable(value: Any) -> str:
-    """``value`` as text that two ranks that built the step alike write alike."""
-    if isinstance(value, fx.Node):
-        return value.name
-    if isinstance(value, bool) or value is None:
-        return repr(value)
-    if isinstance(value, int):
-        return "int"
-    if isinstance(value, (float, str, torch.dtype, torch.layout, torch.memory_format)):
-        return repr(value)
-    if isinstance(value, torch.device):
-        return value.type
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_portable(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_portable(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, slice):
-        return f"slice({_portable((value.start, value.stop, value.step))})"
-    return type(value).__name__

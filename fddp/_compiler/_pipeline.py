@@ -15,13 +15,13 @@ from fddp._base._errors import ScheduleMismatchError
 from fddp._compiler import _backend, _plan
 from fddp._compiler._cache import _persistent
 from fddp._compiler._capture._trace import Captured, capture
-from fddp._compiler._graph import comparable_lines
 from fddp._compiler._options import CompileOptions
 from fddp._compiler._passes import (
     _across_steps,
     _bucket,
     _cost,
     _gate,
+    _identity,
     _overlap,
     _param_gathers,
     _reinplace,
@@ -30,7 +30,7 @@ from fddp._compiler._passes import (
 )
 from fddp._compiler._program import Compiled, Program, collector_paused
 from fddp._ranks import _machine, _runtime
-from fddp._ranks._agree import find_difference, raise_everywhere
+from fddp._ranks._agree import Line, digest, find_difference, raise_everywhere
 from fddp._ranks._machine import Machine
 
 
@@ -111,7 +111,6 @@ def compile_step(
     *,
     kept_as: _persistent.Identity | None = None,
     method: str = "make_fx",
-    compare_graphs: bool = True,
 ) -> Compiled:
     """Capture and schedule ``step_fn(*args)``, or load its program from the persistent cache,
     then compare the outcome across ranks (every rank of ``group`` at once).
@@ -122,14 +121,14 @@ def compile_step(
     persistent cache (``fddp.set_cache_dir``); None: they are not kept. A program found there
     is loaded instead of compiled; one compiled is written there after its first run.
 
-    ``method`` is how this step was captured before (see ``capture``). ``compare_graphs``: also
-    compare the graphs node by node (not for steps over sharded state, whose graphs update each
-    rank's own shards). The ranks compare what they compiled (a collective): a capture error on
-    one rank is raised on every rank (``_agree.raise_everywhere``: the others raise it as that
-    rank's), and ranks that compiled different collective sequences raise instead of running
-    them into a hang.
+    ``method`` is how this step was captured before (see ``capture``). The ranks compare what
+    they compiled (a collective): a capture error on one rank is raised on every rank
+    (``_agree.raise_everywhere``: the others raise it as that rank's), ranks that compiled
+    different collective sequences raise instead of running them into a hang, and then the
+    captured programs are compared whole (``_identity.program_lines``: every node, every
+    constant by value; what a sharded layout or the rank makes per rank is named so).
     """
-    device = _device(tensors)
+    device = _runtime.step_device(tensors)
     machine = None  # measured before a capture error can split the ranks
     if options.cap.measures(_runtime.world_size(group)):
         machine = _machine.measured(group, device)
@@ -139,6 +138,7 @@ def compile_step(
         agreed_cap = _persistent.agreed_cap(key, options, machine, device, group)
     error: Exception | None = None
     compiled: Compiled | None = None
+    identity: list[Line] = []  # of a program captured here (a loaded one keeps its digest)
     try:
         with collector_paused():  # a capture and its passes allocate millions of objects
             if key is not None:
@@ -149,7 +149,10 @@ def compile_step(
                 captured, dynamo = capture(
                     step_fn, args, tensors, fused_backward=options.in_place, method=method
                 )
+                assert captured.graph is not None  # a capture, not a loaded program
+                identity = _identity.program_lines(captured.graph, captured.inputs)
                 program = schedule_graph(captured, options, donated, machine, agreed_cap)
+                program.known_graph_digest = digest(identity)
                 compiled = Compiled(program, captured, dynamo)
                 if key is not None:
                     compiled.after_first_run = functools.partial(_persistent.save, key)
@@ -159,19 +162,17 @@ def compile_step(
     lines = [(f"collective #{i}", s) for i, s in enumerate(sequence)]
     difference = raise_everywhere(error, group, lines)
     assert compiled is not None
-    if difference is None and compare_graphs:
-        # compared once the sequences agree, so that a missing collective is named as one; a
-        # program loaded from the cache keeps its graph's digest, and builds the graph only to
-        # name the difference
-        program = compiled.program
-        difference = find_difference([("the graph", f"{program.graph_digest():014x}")], group)
+    if difference is None:
+        # compared once the sequences agree, so that a missing collective is named as one
+        program_digest = [("the captured program", f"{compiled.program.graph_digest():014x}")]
+        difference = find_difference(program_digest, group)
         if difference is not None:
-            difference = find_difference(comparable_lines(program.graph), group) or difference
+            difference = find_difference(identity or program_digest, group) or difference
     if difference is None:
         return compiled
-    if difference.label.startswith("node "):
+    if difference.label.startswith("node ") or difference.label == "the captured program":
         raise ScheduleMismatchError(
-            f"{name}: ranks compiled different graphs: {difference}: every rank must build "
+            f"{name}: ranks compiled different programs: {difference}: every rank must build "
             "the step with the same settings (optimizer hyperparameters, constants and "
             "modules the step closes over). A value meant to differ per rank comes from "
             "fddp.axis_index() or from the batch."
@@ -181,9 +182,3 @@ def compile_step(
         "issue the same collectives with the same shapes on every rank: check that every rank "
         "passes batches of the same shape and that no branch depends on the rank."
     )
-
-
-def _device(tensors: list[torch.Tensor]) -> torch.device:
-    """Where the step computes: its first floating-point argument's device."""
-    device = next((t.device for t in tensors if t.is_floating_point()), None)
-    return device or _runtime.local_device()

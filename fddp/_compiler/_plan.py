@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, cast
 
 import torch
-import torch.distributed
 from torch import fx
 
 from fddp._base._annotations import BUCKET_LEAVES, LEAF_PATH
-from fddp._compiler._graph import is_collective, is_compute, nbytes
+from fddp._compiler._graph import group_of, is_collective, is_compute, nbytes
 from fddp._compiler._passes import _param_gathers
 from fddp._compiler._passes._bucket import BucketNodes
 from fddp._compiler._passes._rematerialize import RematPlan
@@ -171,14 +169,6 @@ def _argument_names(op: torch._ops.OpOverload) -> tuple[str, ...]:
     return tuple(a.name for a in op._schema.arguments)
 
 
-def _group_of(name: object) -> str:
-    """A process group by its size: ranks of different subgroups of one axis (data_parallel's
-    ``axes``) name their groups differently and still run the same schedule."""
-    resolve = torch.distributed.distributed_c10d._resolve_process_group
-    group = resolve(cast(Any, name))  # a GroupName, as the graph's collective holds it
-    return f"group of {group.size()}"
-
-
 def collective_sequence(graph: fx.Graph) -> list[str]:
     """One line per collective, in launch order: op, shape, dtype, non-tensor arguments and the
     leaves it carries (a bucket's leaves in packing order), so that two ranks whose buckets have
@@ -188,7 +178,7 @@ def collective_sequence(graph: fx.Graph) -> list[str]:
         if is_collective(node):
             val = node.args[0].meta["val"]
             extra = [
-                _group_of(a) if name == "group_name" else a
+                group_of(a) if name == "group_name" else a
                 for name, a in zip(_argument_names(node.target)[1:], node.args[1:])
                 if not isinstance(a, fx.Node)
             ]

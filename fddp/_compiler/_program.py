@@ -16,9 +16,7 @@ from torch import fx
 from fddp._base import _axes
 from fddp._compiler import _backend, _plan
 from fddp._compiler._capture._trace import Captured, DynamoCapture
-from fddp._compiler._graph import comparable_lines
 from fddp._compiler._passes import _across_steps, _cost, _gate
-from fddp._ranks._agree import digest
 from fddp._ranks._signature import leaf_paths
 
 RANK_SOURCE = "the rank (fddp.axis_index, or a psum_scatter block)"
@@ -62,16 +60,17 @@ class Program:
     across_steps: _across_steps.AcrossSteps | None = None  # overlap_steps=True, if any wait
     gated: bool = False  # a gate settles the call's signature check before the first collective
     generated: _backend.Generated | None = None  # the fx backend's code
-    known_graph_digest: int | None = None  # kept with a program in the persistent cache
+    # the captured program's digest, as the ranks compare it (``_identity.program_lines``);
+    # kept with a program in the persistent cache
+    known_graph_digest: int | None = None
 
     @functools.cached_property
     def graph(self) -> fx.GraphModule:
         return self.graph_of()
 
     def graph_digest(self) -> int:
-        """The digest of the graph as the ranks compare it (``_graph.comparable_lines``)."""
-        if self.known_graph_digest is None:
-            self.known_graph_digest = digest(comparable_lines(self.graph))
+        """The digest of the captured program the ranks compared (set by the compile)."""
+        assert self.known_graph_digest is not None
         return self.known_graph_digest
 
 

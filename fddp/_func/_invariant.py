@@ -48,7 +48,10 @@ class Invariant(NamedTuple):
     Attributes:
         chunk_size: examples per chunk; every rank's batch must be a multiple of it.
         batch_argnum: which positional argument of the differentiated function is the batch
-            (every tensor leaf has the examples along dim 0); the others are taken whole.
+            (every tensor leaf has the examples along dim 0), or a tuple of them for a batch
+            spread over several (``loss_fn(params, x, y)``: ``(1, 2)``); the others are taken
+            whole. With one, another argument whose every leaf holds as many examples along
+            dim 0 is refused: name it in the tuple, or pass ``(n,)`` to take it whole.
         fraction_bits: the fixed point's bits below each leaf's largest magnitude; at most
             ``2 ** (62 - fraction_bits)`` chunks per global batch.
 
@@ -59,7 +62,7 @@ class Invariant(NamedTuple):
     """
 
     chunk_size: int
-    batch_argnum: int = -1
+    batch_argnum: int | tuple[int, ...] = -1
     fraction_bits: int = 46
 
 
@@ -80,8 +83,13 @@ def checked(invariant: Invariant | int | None) -> Invariant | None:
         raise UsageValueError(
             f"invariant: fraction_bits={bits!r} must be an int from 24 (fp32's precision) to 60."
         )
-    if not isinstance(invariant.batch_argnum, int):
-        raise UsageTypeError(f"invariant: batch_argnum={invariant.batch_argnum!r} is not an int.")
+    nums = invariant.batch_argnum
+    if not isinstance(nums, int) and not (
+        isinstance(nums, tuple) and nums and all(isinstance(n, int) for n in nums)
+    ):
+        raise UsageTypeError(
+            f"invariant: batch_argnum={nums!r} is not an int or a non-empty tuple of ints."
+        )
     return invariant
 
 
@@ -142,35 +150,27 @@ class _Job:
         self.invariant, self.f, self.argnums, self.has_aux = invariant, f, argnums, has_aux
         nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
         self.kwargs, self.plain = kwargs, plain
-        n = invariant.batch_argnum
-        if not -len(args) <= n < len(args):
+        given = invariant.batch_argnum
+        batch = (given,) if isinstance(given, int) else given
+        for n in batch:
+            if not -len(args) <= n < len(args):
+                raise UsageValueError(
+                    f"invariant mode: batch_argnum={given}, but the differentiated function got "
+                    f"{len(args)} positional arguments. Pass the batch as an argument (e.g. "
+                    "loss_fn(params, buffers, batch)) and set fddp.Invariant(batch_argnum=...)."
+                )
+        self.batch_nums = sorted({n % len(args) for n in batch})
+        differentiated = {m % len(args) for m in nums}
+        if differentiated & set(self.batch_nums):
             raise UsageValueError(
-                f"invariant mode: batch_argnum={n}, but the differentiated function got "
-                f"{len(args)} positional arguments. Pass the batch as an argument "
-                "(e.g. loss_fn(params, buffers, batch)) and set fddp.Invariant(batch_argnum=...)."
+                f"invariant mode: argument {min(differentiated & set(self.batch_nums))}, the "
+                f"batch (batch_argnum={given}), is also differentiated (argnums). The batch must "
+                "be an argument that is not differentiated: pass it last, or set "
+                "fddp.Invariant(batch_argnum=...)."
             )
-        self.batch_num = n % len(args)
-        if self.batch_num in {m % len(args) for m in nums}:
-            raise UsageValueError(
-                f"invariant mode: argument {self.batch_num}, the batch (batch_argnum={n}), is "
-                "also differentiated (argnums). The batch must be an argument that is not "
-                "differentiated: pass it last, or set fddp.Invariant(batch_argnum=...)."
-            )
-        paths, leaves, _ = leaves_with_paths(args[self.batch_num])
-        rows = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0}
-        if not leaves or any(isinstance(x, torch.Tensor) and x.dim() == 0 for x in leaves):
-            raise UsageValueError(
-                f"invariant mode: argument {self.batch_num} is the batch, but it has "
-                + ("no tensors" if not leaves else "0-d tensors")
-                + ". Every tensor leaf of the batch needs the examples along dim 0."
-            )
-        if len(rows) != 1:
-            found = {p: list(x.shape) for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)}
-            raise UsageValueError(
-                f"invariant mode: the batch's tensor leaves have different sizes along dim 0 "
-                f"({found}); every leaf must hold the same examples along dim 0."
-            )
-        (self.rows,) = rows
+        self.rows = _rows_of(args, self.batch_nums)
+        if isinstance(given, int):
+            _refuse_unchunked(args, self.batch_nums[0], differentiated, self.rows)
         if self.rows % invariant.chunk_size:
             raise UsageValueError(
                 f"invariant mode: this rank's batch has {self.rows} examples, not a multiple of "
@@ -180,7 +180,8 @@ class _Job:
         self.chunks = self.rows // invariant.chunk_size
         self.arg_leaves, self.arg_spec = optree.tree_flatten(args)
         self.tensor_at = [i for i, x in enumerate(self.arg_leaves) if isinstance(x, torch.Tensor)]
-        self.device = next(x.device for x in leaves if isinstance(x, torch.Tensor))
+        batch_leaves = optree.tree_leaves([args[n] for n in self.batch_nums])
+        self.device = next(x.device for x in batch_leaves if isinstance(x, torch.Tensor))
         self.aux_box: list[Any] = []
         self.n_floats = 0
         self.kind = ""  # of the loss: "example" (a scalar), "mean" or "sum" (an fddp.Loss)
@@ -207,10 +208,10 @@ class _Job:
         vg = self.plain(self.f, self.argnums, self.has_aux)
         for i in range(self.chunks):
             chunk_args = list(args)
-            chunk_args[self.batch_num] = optree.tree_map(
-                functools.partial(_rows, start=i * size, size=size),
-                args[self.batch_num],
-            )
+            for n in self.batch_nums:
+                chunk_args[n] = optree.tree_map(
+                    functools.partial(_rows, start=i * size, size=size), args[n]
+                )
             key = _hash(seed + _hash(first_chunk + i))
             with _invariant_marks.entered(None), _KeyedRandomness(key):
                 value, grads = vg(*chunk_args, **self.kwargs)
@@ -268,6 +269,44 @@ class _Job:
         ]
         value, aux, grads = optree.tree_unflatten(spec, leaves)
         return ((value, aux) if self.has_aux else value), grads
+
+
+def _rows_of(args: tuple[Any, ...], batch_nums: list[int]) -> int:
+    """The number of examples along dim 0 of every tensor leaf of the batch arguments."""
+    paths, leaves, _ = leaves_with_paths([args[n] for n in batch_nums])
+    rows = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0}
+    if not leaves or any(isinstance(x, torch.Tensor) and x.dim() == 0 for x in leaves):
+        raise UsageValueError(
+            f"invariant mode: arguments {batch_nums} are the batch, but they have "
+            + ("no tensors" if not leaves else "0-d tensors")
+            + ". Every tensor leaf of the batch needs the examples along dim 0."
+        )
+    if len(rows) != 1:
+        found = {p: list(x.shape) for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)}
+        raise UsageValueError(
+            f"invariant mode: the batch's tensor leaves have different sizes along dim 0 "
+            f"({found}); every leaf must hold the same examples along dim 0."
+        )
+    return rows.pop()
+
+
+def _refuse_unchunked(
+    args: tuple[Any, ...], batch: int, differentiated: set[int], rows: int
+) -> None:
+    """Refuse a second argument that looks like more of the batch: every leaf a tensor of
+    ``rows`` examples along dim 0, neither differentiated nor chunked."""
+    for n, arg in enumerate(args):
+        leaves = optree.tree_leaves(arg)
+        if n == batch or n in differentiated or not leaves:
+            continue
+        if all(isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == rows for x in leaves):
+            raise UsageValueError(
+                f"invariant mode: argument {n} holds {rows} examples along dim 0, as the batch "
+                f"(argument {batch}) does, but only the batch is cut into chunks: each chunk "
+                f"would see all of argument {n}. For a batch spread over both, pass "
+                f"fddp.Invariant(batch_argnum=({min(n, batch)}, {max(n, batch)})); to take "
+                f"argument {n} whole, batch_argnum=({batch},)."
+            )
 
 
 def _rows(x: Any, start: int, size: int) -> Any:

@@ -13,18 +13,16 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp._base import _axes, _invariant_marks
+from fddp._base import _axes, _invariant_marks, _saved_together
 from fddp._base._axes import DEFAULT_AXIS
-from fddp._base._errors import ReplicaMismatchError, RetraceWarning, UsageValueError
-from fddp._base._tree import leaves_with_paths, path_str
+from fddp._base._errors import RetraceWarning, UsageValueError
+from fddp._base._tree import path_str
 from fddp._base._types import GradientTransformation
 from fddp._collectives._ops import axis_index, axis_size, pmean
 from fddp._compiler._plan import Plan
 from fddp._optim._alias import sgd
 from fddp._optim._update import apply_updates
-from fddp._ranks import _digests, _runtime
-from fddp._ranks._agree import Line, find_difference
-from fddp._ranks._described import digest_hex, tensor_kind
+from fddp._ranks._described import tensor_kind
 from fddp._step._data_parallel import DataParallelStep
 from fddp._step._options import StepOptions, as_line, backend, by_name
 
@@ -46,6 +44,15 @@ class LowCommState(NamedTuple):
     params: Any
     opt_state: tuple
     pending: tuple
+
+    def lost_with_its_rank(self) -> str:
+        """Why no survivor can rebuild this state when its rank dies (``fddp.recoverable``)."""
+        return (
+            "the state is a low-communication step's (fddp.diloco / fddp.local_sgd): between "
+            "outer syncs each rank's parameters and inner optimizer state are its own and die "
+            "with it, and recoverable re-slices one global batch per synchronous step. Restart "
+            "DiLoCo from a checkpoint taken after an outer sync instead."
+        )
 
     def saved_with_per_rank_values(self) -> bool:  # fddp.save(rank0_only=True) then checks
         return True  # that they are the same everywhere (inner parameters differ between syncs)
@@ -397,44 +404,35 @@ class LowCommStep:
         else:
             with _one_program_per_phase():
                 *out, flags = self._programs(phase, outer, params, *args)
-            if phase.syncs and _runtime.world_size(self._group) > 1:
-                self._check_replicated(state, phase)
             _refuse_nonfinite(self._rule, int(state.step), flags)
         new_outer = out[0]
         new_state = LowCommState(
             state.step + 1, new_outer.params, new_outer.opt_state, new_outer.pending
         )
+        self._tie(new_state, out[1])
         return (new_state, *out[1:])
 
-    def _check_replicated(self, state: LowCommState, phase: Phase) -> None:
-        """The replicated state of the fragments ``phase`` synchronizes is bitwise the same on
-        every rank (one all-reduce of a digest; collective). Run after the call, whose check
-        has made sure that every rank is at this phase; the caller's state is still the one
-        from before the call."""
-        synced = sorted(set(phase.launch_before) | set(phase.launch_after) | set(phase.apply))
-        lines: list[Line] = [("state.step", str(int(state.step)))]
-        tensors: list[tuple[str, torch.Tensor]] = []
-        if self._rule.outer is not None:
-            paths, leaves, _ = leaves_with_paths(state.params)
-            bounds = fragment_bounds([x.numel() for x in leaves], self._rule.fragments)
-            for k in synced:
-                a, b = bounds[k]
-                tensors += [(f"state.params{p}", x) for p, x in zip(paths[a:b], leaves[a:b])]
-                tensors += _labelled(f"state.opt_state[{k}]", state.opt_state[k])
-                if state.pending:
-                    tensors += _labelled(f"state.pending[{k}]", state.pending[k])
-        found = _digests.digests([x for _, x in tensors])
-        for (label, x), bits in zip(tensors, found):
-            lines.append((label, f"{tensor_kind(x)} digest {digest_hex(bits)}"))
-        difference = find_difference(lines, self._group)
-        if difference is not None:
-            raise ReplicaMismatchError(
-                f"{self._rule.name}: the replicated state differs between ranks at the "
-                f"synchronization after inner step {int(state.step) + 1}: {difference}. It "
-                "is checked at every synchronization, for the fragments it synchronizes. "
-                "Every rank must pass the LowCommState its previous call returned (or one "
-                "loaded from the same checkpoint), never one changed on some ranks only."
-            )
+    def _tie(self, state: LowCommState, params: Any) -> None:
+        """Between synchronizations the inner parameters differ per rank and from the state's:
+        a save holding one without the other could not resume this run (``fddp.save``
+        refuses it, naming the missing part)."""
+        rule = self._rule
+        synced = rule.fragments == 1 and rule.cadence.delay == 0
+        if synced and int(state.step) % rule.cadence.every == 0:
+            _saved_together.untie(self)
+            return
+        parts = {"the LowCommState": state, "the inner parameters": params}
+        _saved_together.tie(
+            self,
+            {
+                name: [x for x in optree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+                for name, tree in parts.items()
+            },
+            f"{rule.name} returned together at inner step {int(state.step)}, between "
+            "synchronizations (the inner parameters differ per rank and from the state's); "
+            "save them in one checkpoint (each rank its own file: rank0_only=False), or save "
+            "right after a synchronization",
+        )
 
     def schedule(self, state: LowCommState, params: Any, *args: Any) -> Plan:
         """The compiled plan of the call ``self(state, params, *args)`` would make (its
@@ -444,11 +442,6 @@ class LowCommStep:
         outer = _Outer(state.params, state.opt_state, state.pending)
         with _one_program_per_phase():
             return self._programs.schedule(self.phase(state), outer, params, *args)
-
-
-def _labelled(prefix: str, tree: Any) -> list[tuple[str, torch.Tensor]]:
-    paths, leaves, _ = leaves_with_paths(tree)
-    return [(prefix + p, x) for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)]
 
 
 def _refuse_nonfinite(rule: _Rule, count: int, flags: tuple[torch.Tensor, ...]) -> None:

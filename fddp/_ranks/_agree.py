@@ -56,6 +56,14 @@ def _same_everywhere(value: int, group: dist.ProcessGroup | None) -> bool:
 
 def first_difference(everyone: list[list[Line]]) -> Difference:
     """The first line on which some rank differs from rank 0, given every rank's lines."""
+    difference = difference_if_any(everyone)
+    if difference is None:
+        raise AssertionError("digests differed but the lines are equal")
+    return difference
+
+
+def difference_if_any(everyone: list[list[Line]]) -> Difference | None:
+    """The first line on which some rank differs from rank 0 (None: all ranks hold the same)."""
     reference = everyone[0]
     for r, lines in enumerate(everyone[1:], start=1):
         missing = ("", "<none>")
@@ -69,7 +77,7 @@ def first_difference(everyone: list[list[Line]]) -> Difference:
             return Difference(
                 r, f"entry {i}", f"{theirs[0]} ({theirs[1]})", f"{ours[0]} ({ours[1]})"
             )
-    raise AssertionError("digests differed but the lines are equal")
+    return None
 
 
 def find_difference(

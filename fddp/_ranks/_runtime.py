@@ -211,6 +211,12 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
+def step_device(tensors: list[torch.Tensor]) -> torch.device:
+    """Where a step computes: its first floating-point argument's device, else this rank's."""
+    device = next((t.device for t in tensors if t.is_floating_point()), None)
+    return device or local_device()
+
+
 def replicate(tree: Any, src: int = 0, *, group: dist.ProcessGroup | None = None) -> Any:
     """Return ``tree`` with every leaf equal to rank ``src``'s value, on every rank.
 

@@ -5,7 +5,7 @@ from fddp._sharding._layout import Bucket, bucket_piece
 from fddp._sharding._params import Layout, ShardedParams, shard_params
 from fddp._sharding._state import ShardedState, shard_state, state_bytes
 from fddp._sharding._step import TAKES_SHARDS, gathering
-from fddp._sharding._trees import cut_ranks, holds_shards, sharded_positions
+from fddp._sharding._trees import cut_ranks, per_rank_leaves, sharded_positions
 
 __all__ = [
     "TAKES_SHARDS",
@@ -18,7 +18,7 @@ __all__ = [
     "full_params",
     "full_state_dict",
     "gathering",
-    "holds_shards",
+    "per_rank_leaves",
     "shard_params",
     "shard_state",
     "sharded_positions",

@@ -8,7 +8,9 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.fx import traceback as fx_traceback
 
+from fddp._base._annotations import AXIS_INDEX
 from fddp._base._errors import UsageTypeError, UsageValueError
 from fddp._collectives import _bucket_policy
 from fddp._collectives._ops import ProcessAxis, axis_index, named_axis
@@ -78,17 +80,24 @@ def _own_chunk(flat: torch.Tensor, bucket: Bucket, index: torch.Tensor) -> torch
     return flat.view(-1, bucket.chunk).index_select(0, index.reshape(1)).reshape(-1)
 
 
-def _own_slice(leaves: list[torch.Tensor], bucket: Bucket, rank: int) -> torch.Tensor:
-    """Chunk ``rank`` of a padded bucket, built from views of only the leaves it overlaps."""
+def _own_slice(
+    leaves: list[torch.Tensor], bucket: Bucket, rank: int, replicas: int
+) -> torch.Tensor:
+    """Chunk ``rank`` of a padded bucket, built from a slice of every leaf (empty where it holds
+    none of it) and its zero padding: the same operators on every rank, whose integers (the
+    slices' bounds and the padding's size) are this rank's own, annotated as such by the
+    layout where there are several replicas (the ranks compare everything else of a traced
+    step)."""
     numels = [leaves[i].numel() for i in bucket.leaves]
-    parts = []
-    for i, (lo, hi) in zip(bucket.leaves, leaf_spans(bucket, numels, rank)):
-        if lo < hi:
-            parts.append(leaves[i].reshape(-1)[lo:hi])
-    if not parts:
-        return leaves[bucket.leaves[0]].new_zeros(bucket.chunk)
-    own = torch.cat(parts) if len(parts) > 1 else parts[0]
-    return F.pad(own, (0, bucket.chunk - own.numel())) if own.numel() < bucket.chunk else own
+    first = leaves[bucket.leaves[0]]
+    own = {AXIS_INDEX: "the sharded layout: this rank's chunk of a bucket"} if replicas > 1 else {}
+    with fx_traceback.annotate(own):
+        parts = [
+            leaves[i].reshape(-1).narrow(0, lo, hi - lo)
+            for i, (lo, hi) in zip(bucket.leaves, leaf_spans(bucket, numels, rank))
+        ]
+        held = sum(part.numel() for part in parts)
+        return torch.cat([*parts, first.new_zeros(bucket.chunk - held)])
 
 
 def leaf_spans(bucket: Bucket, numels: list[int], rank: int) -> list[tuple[int, int]]:
@@ -113,7 +122,7 @@ def own_shard(
     # step takes this general path: slicing by rank would give every rank a different graph,
     # and the compiler could then schedule the parameter gathers differently.
     if isinstance(axis, ProcessAxis) and not torch.compiler.is_compiling():
-        return _own_slice(leaves, bucket, axis.group_rank)
+        return _own_slice(leaves, bucket, axis.group_rank, replicas)
     return _own_chunk(flat_bucket(leaves, bucket, replicas), bucket, axis_index(axis_name))
 
 

@@ -45,6 +45,15 @@ class ShardedState(NamedTuple):
     pieces: torch.Tensor
     members: Members | None = None
 
+    def lost_with_its_rank(self) -> str:
+        """Why no survivor can rebuild this state when its rank dies (``fddp.recoverable``)."""
+        return (
+            "the optimizer state is sharded (fddp.optim.shard_state): each rank holds the only "
+            "copy of its 1/N of the moments, which dies with the rank. Use a replicated "
+            "optimizer (e.g. fddp.optim.adamw) with recoverable, or keep shard_state and "
+            "restart from fddp.save_sharded checkpoints (docs/guides/restarts-deep-models.md)."
+        )
+
 
 def shard_state(
     inner: GradientTransformation,

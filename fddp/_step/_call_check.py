@@ -1,4 +1,4 @@
-"""The per-call agreement: all ranks run the same step, with the same options and signature."""
+"""The per-call agreement: the same step, options, signature, call count and replicated inputs."""
 
 from __future__ import annotations
 
@@ -8,67 +8,41 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-import optree
-import torch
 import torch.distributed as dist
 
-from fddp._base._errors import ScheduleMismatchError
+from fddp._base._errors import ReplicaMismatchError, ScheduleMismatchError
 from fddp._ranks import _runtime
-from fddp._ranks._agree import Difference, DigestCheck, Line, digest, first_difference, gather_lines
+from fddp._ranks._agree import (
+    Difference,
+    DigestCheck,
+    Line,
+    difference_if_any,
+    digest,
+    gather_lines,
+)
 from fddp._ranks._signature import Signature, leaf_paths
-from fddp._sharding import sharded_positions
+from fddp._step._replica_guard import GENERATOR, NEW, VALUE, Inputs
 
 _LINES_KEPT = 64  # signatures whose lines are kept for the next calls
-SMALL_NUMEL = 8  # replicated tensors of at most this many elements have their values checked
-_VALUE = "the value of argument leaf "
-_COUNT = "the integer value of argument leaf "  # a step count, say: a skipped call
-
-
-class Small(NamedTuple):
-    """A small replicated tensor leaf: its argument, how to reach it there, and its label."""
-
-    argument: int
-    reach: optree.PyTreeAccessor
-    label: str
+_CALL = "the call"  # the line that counts this step's calls on this rank
+OPT_OUT = (
+    "check_replicas=False turns the check of replicated arguments off (or check_replicas=(...) "
+    "names the arguments that must be the same on every rank)"
+)
 
 
 class Known(NamedTuple):
-    """What a signature's calls check: its lines and their digest, and the small replicated
-    tensors whose values are read on every call."""
+    """What a signature's calls check: its lines and their digest."""
 
     lines: list[Line]
     value: int
-    small: list[Small]
 
 
-def small_replicated(args: tuple, replicated: tuple[int, ...]) -> list[Small]:
-    """The leaves of the replicated arguments (but sharded parameters) whose values are read on
-    every call: CPU tensors of at most ``SMALL_NUMEL`` elements; integer ones first, as a step
-    count names a skipped call best."""
-    sharded = sharded_positions(args)
-    found = []
-    for n in sorted({n % len(args) for n in replicated if -len(args) <= n < len(args)}):
-        if n in sharded:
-            continue
-        accessors, leaves, _ = optree.tree_flatten_with_accessor(args[n])
-        for reach, x in zip(accessors, leaves):
-            if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.numel() <= SMALL_NUMEL:
-                inexact = x.is_floating_point() or x.is_complex()
-                label = (_VALUE if inexact else _COUNT) + reach.codify(f"[{n}]")  # [1][0].count
-                found.append((inexact, Small(n, reach, label)))
-    return [small for _, small in sorted(found, key=lambda f: f[0])]
-
-
-def with_values(value: int, tensors: list[torch.Tensor]) -> int:
-    """``value`` (a signature's digest) combined with the values of ``tensors``, a 56-bit
-    digest."""
-    text = f"{value}:{[t.tolist() for t in tensors]!r}".encode()
+def with_inputs(value: int, call: int, terms: str) -> int:
+    """``value`` (a signature's digest) combined with the call count and a call's inputs
+    (:meth:`Inputs.terms`), a 56-bit digest."""
+    text = f"{value}:{call}:{terms}".encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "little")
-
-
-def value_lines(small: list[Small], tensors: list[torch.Tensor]) -> list[Line]:
-    """The values of a call's small replicated tensors, as labelled lines."""
-    return [(leaf.label, repr(t.tolist())) for leaf, t in zip(small, tensors)]
 
 
 class Pending:
@@ -80,12 +54,12 @@ class Pending:
         lines: list[Line],
         value: int | None,
         on_argument_mismatch: Callable[[], None],
-        values: tuple[list[Small], list[torch.Tensor]] = ([], []),
+        inputs: Inputs | None = None,
     ) -> None:
-        """Launch the all-reduce of ``value``, the digest of ``lines`` and of ``values`` (the
-        small replicated tensors and their values, lines only when the ranks differ); None:
-        nothing to check (a world of one)."""
-        self._check, self._lines, self._values = check, lines, values
+        """Launch the all-reduce of ``value``, the digest of ``lines``, the call count and
+        ``inputs`` (lines only when the ranks differ); None: nothing to check (a world of
+        one)."""
+        self._check, self._lines, self._inputs = check, lines, inputs
         self._on_argument_mismatch = on_argument_mismatch
         self._call = check.calls
         self._start = time.monotonic()
@@ -105,37 +79,98 @@ class Pending:
             return
         with self._peer_failures():
             same = in_flight.same()
-        if same:
-            self._check.agreed()
+        if not same:
+            with self._peer_failures():
+                self._name_the_difference()
+        self._check.agreed()
+
+    def _name_the_difference(self) -> None:
+        """The digests differ: every rank compares its lines (the replicated inputs by value,
+        also those known only by origin) and raises the first difference; none when the ranks
+        only knew the same values differently (one hashed a tensor the other had returned)."""
+        values, origins = self._inputs.lines() if self._inputs is not None else ([], [])
+        mine = [*self._lines, (_CALL, str(self._call)), *values]
+        everyone = gather_lines(mine, self._group)
+        everyone_origins = gather_lines(origins, self._group)
+        difference = difference_if_any(everyone)
+        name, built = self._check.name, self._check.described_lines
+        if difference is None:
+            skipped = difference_if_any(_all_known(everyone_origins))
+            if skipped is not None:
+                raise _skipped(name, self._call, None, skipped)
             return
-        lines = [*self._lines, *value_lines(*self._values), ("the call", str(self._call))]
-        everyone = gather_lines(lines, self._group)
-        difference = first_difference(everyone)
-        # integers that differ (a step count) are a skipped or repeated call; other values,
-        # replicas drifting apart, which the replicated arguments' own check names better
-        counted = difference.label.startswith(_COUNT)
-        built = self._check.described_lines
+        if difference.label == _CALL:
+            raise _skipped(name, self._call, difference, None)
+        if difference.label == GENERATOR:
+            raise ReplicaMismatchError(
+                f"{name}, call {self._call}: {difference}: the step's results depend on its "
+                "draws and must be the same on every rank. Seed every rank alike "
+                "(torch.manual_seed(seed)) and save its state with the checkpoint."
+            )
+        if difference.label.startswith(VALUE):
+            assert self._inputs is not None  # only inputs have such lines
+            origin = _origin(everyone_origins, difference)
+            if origin is not None or difference.label in self._inputs.integer_labels():
+                raise _skipped(name, self._call, difference, origin)
+            raise _drifted(name, self._call, difference)
         built_alike = all(theirs[:built] == everyone[0][:built] for theirs in everyone)
-        if not counted and built_alike:
+        if built_alike:
             self._on_argument_mismatch()  # every rank calls it: it may compare more
-        if difference.label.startswith((_COUNT, _VALUE)):
-            raise _skipped(self._check.name, self._call, difference)
-        raise _mismatch(self._check.name, difference, built_alike)
+        raise _mismatch(name, difference, built_alike)
 
 
-def _skipped(name: str, call: int, difference: Difference) -> ScheduleMismatchError:
-    what = _relabelled(difference, difference.label.removeprefix(_COUNT).removeprefix(_VALUE))
+def _all_known(everyone: list[list[Line]]) -> list[list[Line]]:
+    """The origins that every rank knows (a tensor returned by one of the step's calls)."""
+    keep = [all(lines[k][1] != NEW for lines in everyone) for k in range(len(everyone[0]))]
+    return [[line for line, kept in zip(lines, keep) if kept] for lines in everyone]
+
+
+def _origin(everyone: list[list[Line]], difference: Difference) -> Difference | None:
+    """Where the differing leaf comes from, where every rank knows and they differ (a rank
+    passed the output of another call)."""
+    label = difference.label
+    found = [dict(lines).get(label) for lines in everyone]
+    if None in found or NEW in found or len(set(found)) == 1:
+        return None
+    rank = next(r for r, origin in enumerate(found) if origin != found[0])
+    return Difference(rank, label, str(found[rank]), str(found[0]))
+
+
+def _skipped(
+    name: str, call: int, value: Difference | None, origin: Difference | None
+) -> ScheduleMismatchError:
+    """A rank at another call: named by a value (a step count) and where it comes from (the
+    output of which call), as far as they are known."""
+    said = [f"{value}" if value is not None else None]
+    if origin is not None:
+        said.append(
+            f"it is {origin.theirs} on rank {origin.rank} but {origin.ours} on rank 0"
+            if value is not None
+            else str(origin)
+        )
+    what = ": ".join(s for s in said if s).replace(VALUE, "")
     return ScheduleMismatchError(
-        f"{name}, call {call} on this rank: a replicated argument differs between ranks: "
-        f"{what}: a rank skipped or repeated a call (calls pair off in order: every rank must "
-        "call the step as often as the others, passing back the state its last call returned), "
-        "or changed its replicated state on its own. Nothing of this call has run; resume all "
-        "ranks from the same checkpoint."
+        f"{name}, call {call} on this rank: the ranks are not at the same call: {what}: a rank "
+        "skipped or repeated a call (calls pair off in order: every rank must call the step as "
+        "often as the others, passing back the state its last call returned), or changed its "
+        "replicated state on its own. Nothing of this call has run; resume all ranks from the "
+        f"same checkpoint. ({OPT_OUT}.)"
     )
 
 
-def _relabelled(difference: Difference, label: str) -> Difference:
-    return Difference(difference.rank, label, difference.theirs, difference.ours)
+def _drifted(name: str, call: int, difference: Difference) -> ReplicaMismatchError:
+    hint = (
+        "Replicas must start from the same values: create them from the same seed and model "
+        "code, or call fddp.replicate(tree) before training"
+        if call <= 1
+        else "A replica that drifted apart was updated from values of its own: does the step "
+        "average its gradients with fddp.pmean, and does every rank use the same "
+        "hyperparameters?"
+    )
+    return ReplicaMismatchError(
+        f"{name}, call {call}: a replicated argument differs between ranks: {difference}. "
+        f"{hint} Nothing of this call has run. ({OPT_OUT}.)"
+    )
 
 
 def _mismatch(name: str, difference: Difference, built_alike: bool) -> ScheduleMismatchError:
@@ -175,14 +210,10 @@ class CallCheck:
         options: list[Line],
         *,
         own_group: bool,
-        replicated: tuple[int, ...],
     ) -> None:
-        """``replicated``: the argument positions that hold the same values on every rank
-        (the step's ``check_replicas``)."""
         self.name, self._group, self._options = name, group, options
         self.described_lines = 1 + len(options)  # the request, then how the step was built
         self._own_group = own_group
-        self._replicated = replicated
         self._side: dist.ProcessGroup | None = None
         self._agreed_once = False
         self._lines: dict[tuple[Signature, str], Known] = {}
@@ -194,12 +225,14 @@ class CallCheck:
         args: tuple,
         request: str,
         on_argument_mismatch: Callable[[], None] = lambda: None,
+        inputs: Inputs | None = None,
     ) -> Pending:
-        """Start the check of a call (``request`` says what was called, e.g. ``schedule()``).
+        """Start the check of a call (``request`` says what was called, e.g. ``schedule()``),
+        with what the call brings (``inputs``: the replicated arguments, the generator).
 
         ``on_argument_mismatch`` runs on every rank when the ranks built the step alike and
-        differ only in their arguments, before the error is raised: a check of its own that
-        can name the difference better (the replicated arguments' digests) may raise first.
+        differ in their arguments' signatures, before the error is raised: a check of its own
+        that can name the difference better (the replicated arguments' trees) may raise first.
         """
         self.calls += request == "called the step"
         if _runtime.world_size(self._group) == 1:
@@ -211,15 +244,10 @@ class CallCheck:
                 self._lines.clear()
             arguments = signature.lines(leaf_paths(args))
             lines = [("the request", request), *self._options, *arguments]
-            # with own_group (overlap_steps), replicated outputs come back as pending tensors,
-            # which reading would finish early, undoing the overlap across steps
-            small = [] if self._own_group else small_replicated(args, self._replicated)
-            known = self._lines[key] = Known(lines, digest(lines), small)
-        if not known.small:
-            return Pending(self, known.lines, known.value, on_argument_mismatch)
-        tensors = [leaf.reach(args[leaf.argument]) for leaf in known.small]
-        value = with_values(known.value, tensors)
-        return Pending(self, known.lines, value, on_argument_mismatch, (known.small, tensors))
+            known = self._lines[key] = Known(lines, digest(lines))
+        terms = "" if inputs is None else inputs.terms()
+        value = with_inputs(known.value, self.calls, terms)
+        return Pending(self, known.lines, value, on_argument_mismatch, inputs)
 
     def agreed(self) -> None:
         self._agreed_once = True

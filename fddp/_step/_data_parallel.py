@@ -61,11 +61,10 @@ class DataParallelStep:
         self._group = options.group
         self._profiling = False
         name, group, replicated = self.__name__, options.group, options.check_replicas
-        self._calls = CallCheck(
-            name, group, self._described, own_group=options.overlap_steps, replicated=replicated
-        )
+        self._calls = CallCheck(name, group, self._described, own_group=options.overlap_steps)
         self._programs: ProgramCache[Compiled] = ProgramCache(name, options.cache_size)
-        self._replicas = ReplicaGuard(name, group, replicated)
+        invariant = options.invariant is not None  # every random draw must agree
+        self._replicas = ReplicaGuard(name, group, replicated, generator=invariant)
         # Inside a user's torch.compile the step runs as one opaque call. Wrapped here, not at
         # class definition, so that importing fddp does not import Dynamo.
         self._opaque_call = torch.compiler.disable(self._guarded_call)
@@ -115,26 +114,30 @@ class DataParallelStep:
         if not self._options.overlap_steps and any(map(_pending.is_pending, leaves)):
             args = _pending.finished(args)  # another step's pending outputs, finished first
             leaves = optree.tree_leaves(args)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        compiled = self._programs.get(signature) if self._options.trace else None
+        device = _runtime.step_device(tensors)
+        eager = not self._options.trace
+        inputs = self._replicas.inputs(signature, args, tensors, compiled, device, eager=eager)
         check = self._calls.launch(
-            signature, args, "called the step", lambda: self._replicas.compare_digests(args)
+            signature, args, "called the step", lambda: self._replicas.compare_trees(args), inputs
         )
         if not self._options.trace:
-            return self._run_eagerly(args, check.settle)
-        compiled = self._programs.get(signature)
+            out = self._run_eagerly(args, check.settle)
+            self._replicas.after_call(None, inputs, out)
+            return out
         if compiled is None or compiled.first_call:
             check.settle()  # before the collectives of a compile or of a first call
         if compiled is None:
             signature, compiled = self._compile(signature, args)
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        self._replicas.before_run(compiled, args, tensors)
+        self._replicas.before_run(compiled, args, tensors, device, inputs)
         with _timeline.step_range() if self._profiling else contextlib.nullcontext():
             out = compiled.run(args, tensors, check.settle, self._axes(traced=True))
-        self._replicas.after_run(compiled, args, out)
+        self._replicas.after_run(compiled, args, out, inputs)
         return out
 
     def _run_eagerly(self, args: tuple, settle: Callable[[], None]) -> Any:
         settle()
-        self._replicas.check_digests(args, eager=True)
         with _axes.bind(*self._axes()):
             return self._sharded_step(args)(*args)
 
@@ -200,7 +203,6 @@ class DataParallelStep:
                 self.__name__,
                 kept_as=kept_as,
                 method=self._capture_method,
-                compare_graphs=not _sharding.holds_shards(args),
             )
         self._capture_method = compiled.captured.method
         signature = self._models.after_compile(signature, args, compiled)
@@ -333,11 +335,15 @@ def data_parallel(
             group. Steps with ``axes`` are not written to the persistent program cache.
         trace: False runs ``step_fn`` eagerly (collectives bucketed per call, no overlap).
         check_replicas: arguments that must be identical on every rank; True means argument
-            0 (the parameters), False none. On the first call with each signature one small
-            all-gather of bitwise digests verifies them (and finds which other arguments are
-            per-rank, such as the batch); on later calls an output of the previous call that
-            is computed from per-rank values without a collective (a forgotten ``pmean``)
-            and passed back as one of them raises ``ReplicaMismatchError``.
+            0 (the parameters), False none. Every call compares them, and what the step
+            computes them from without a collective (its optimizer state, a hyperparameter
+            passed as a tensor), by a bitwise digest, or, for a replicated output of one of
+            the step's last calls passed back unchanged, by that origin (no hash); a
+            sharded layout's per-rank values by origin only. On the first call with each
+            signature one small all-gather of digests also finds which other arguments are
+            per-rank, such as the batch; an output computed from those without a collective
+            (a forgotten ``pmean``) and passed back as a replicated argument raises
+            ``ReplicaMismatchError``. False turns the comparison of argument values off.
         cache_size: how many compiled programs (one per input signature) are kept; the least
             recently used is dropped beyond that. A leaf that keeps changing is named in a
             ``RetraceWarning``.
@@ -371,9 +377,13 @@ def data_parallel(
             is refused (docs/guides/determinism.md).
 
     Every rank must build the step with the same options and call it at the same points: on
-    every call the ranks compare the step, its options and the arguments' signature (one small
-    all-reduce, settled before the step's first collective and before anything is written into
-    a donated argument), and a difference is a ``ScheduleMismatchError`` on every rank.
+    every call the ranks compare the step, its options, the arguments' signature, the count of
+    calls and the replicated inputs (``check_replicas``; the random generator's state where a
+    draw reaches a replicated result, always with ``invariant``), in one small all-reduce
+    settled before the step's first collective and before anything is written into a donated
+    argument; on every compile, the captured program whole, every constant by value. A
+    difference is a ``ScheduleMismatchError`` or ``ReplicaMismatchError`` on every rank
+    (docs/guides/troubleshooting.md, "What the ranks compare").
 
     Returns:
         A :class:`DataParallelStep` with ``step_fn``'s signature, with ``.schedule(*args)``

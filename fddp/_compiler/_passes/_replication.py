@@ -14,12 +14,31 @@ from fddp._compiler._graph import alias_root, is_collective, mutated_inputs
 PER_RANK_RESULTS = {torch.ops._c10d_functional.reduce_scatter_tensor.default}
 
 
+def generator_bit(rank_bit: int) -> int:
+    """The bit that stands for the random generator's state, the one above the rank's."""
+    return rank_bit << 1
+
+
+def drawn_bit(rank_bit: int) -> int:
+    """The bit of a value computed from a random draw through collectives or not, the one
+    above the generator's (a seed drawn for dropout that the step never applies sets none)."""
+    return rank_bit << 2
+
+
+def draws_random(node: fx.Node) -> bool:
+    """Whether ``node`` draws from a random generator (its result depends on the state)."""
+    tags = getattr(node.target, "tags", ())
+    return node.op == "call_function" and torch.Tag.nondeterministic_seeded in tags
+
+
 def dependencies(graph: fx.Graph) -> tuple[list[int], int]:
     """For each graph output, the placeholders it depends on without a collective in between.
 
     Returns:
         One bitset per output (bit ``k`` for the ``k``-th placeholder), and the bit that stands
-        for the rank itself (set on outputs computed from ``axis_index``).
+        for the rank itself (set on outputs computed from ``axis_index``); the bit above it
+        (:func:`generator_bit`) is set on outputs computed from a random draw, and the one
+        above that (:func:`drawn_bit`) also where a collective lies in between.
     """
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     rank_bit = 1 << len(placeholders)
@@ -28,10 +47,16 @@ def dependencies(graph: fx.Graph) -> tuple[list[int], int]:
         if node.op != "call_function":
             continue
         reads_rank = bool(node.meta.get("custom", {}).get(AXIS_INDEX))
+        drawn = drawn_bit(rank_bit)
         if is_collective(node):  # its wait, and all that reads only results, are replicated
-            deps[node] = rank_bit if reads_rank or node.target in PER_RANK_RESULTS else 0
+            bits = rank_bit if reads_rank or node.target in PER_RANK_RESULTS else 0
+            for arg in node.all_input_nodes:
+                bits |= deps.get(arg, 0) & drawn
+            deps[node] = bits
             continue
         bits = rank_bit if reads_rank else 0
+        if draws_random(node):
+            bits |= generator_bit(rank_bit) | drawn
         for arg in node.all_input_nodes:
             bits |= deps.get(arg, 0)
         deps[node] = bits
