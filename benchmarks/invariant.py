@@ -1,12 +1,15 @@
 """Invariant mode against the default mode, side by side: step time and bytes on the wire.
 
     python benchmarks/invariant.py [--workloads mlp gpt] [--rounds 4] [--block 3] [--out DIR]
+        [--link RATE]
 
 Two ranks (gloo, one thread each) run every variant of a workload in interleaved blocks
 (A B C, B C A, ...): the default ``data_parallel`` step, and the invariant mode with one chunk
 per rank and with four. Reports the median step time of the slowest rank, its ratio to the
 default, the bytes each rank sends into its all-reduces per step (from ``schedule()``), and the
-largest parameter difference from the default after the timed steps.
+largest parameter difference from the default after the timed steps. ``--link 2gbit`` runs the
+ranks in a network namespace whose loopback is shaped to that rate (root, iproute2), where
+communication waits on the wire instead of on the two cores.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
 import fddp
 import fddp.optim as optim
-from benchmarks import provenance, ranks
+from benchmarks import netns, provenance, ranks
 from benchmarks.workloads import WORKLOADS, build_model, rank_batches
 
 WORLD = 2
@@ -145,11 +148,12 @@ def _rank_main(rank: int, port: int, jobs: list[Job], out_path: str) -> None:
     dist.destroy_process_group()
 
 
-def report(results: list[dict[str, Any]], started: str) -> str:
+def report(results: list[dict[str, Any]], started: str, link: str | None = None) -> str:
+    where = f"a loopback shaped to {link}" if link else "loopback"
     lines = [
         f"# Invariant mode against the default mode ({started})",
         "",
-        f"{WORLD} gloo ranks on loopback, one thread each, commit {provenance.commit()}; "
+        f"{WORLD} gloo ranks on {where}, one thread each, commit {provenance.commit()}; "
         "interleaved blocks, median step of the slowest rank; bytes: what each rank puts into "
         "its all-reduces per step.",
         "",
@@ -177,15 +181,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds")
     parser.add_argument("--out", default=None, help="directory for the .json and .md report")
+    parser.add_argument("--link", metavar="RATE", help="run behind a tbf-shaped link, e.g. 2gbit")
+    parser.add_argument("--regime-json", help=argparse.SUPPRESS)  # internal: the run behind it
     args = parser.parse_args(argv)
     started = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S")
-    jobs = [Job(w, args.rounds, args.block, args.warmup) for w in args.workloads]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "result.json")
-        mp.spawn(_rank_main, args=(ranks.free_port(), jobs, path), nprocs=WORLD, join=True)
-        with open(path) as f:
-            results = json.load(f)
-    text = report(results, started)
+    if args.link:
+        why = netns.unavailable()
+        if why is not None:
+            print(f"--link: {why}")
+            return 1
+        inner = ["--workloads", *args.workloads, "--rounds", str(args.rounds)]
+        inner += ["--block", str(args.block), "--warmup", str(args.warmup)]
+        results = netns.run_behind(args.link, __file__, inner)["results"]
+    else:
+        jobs = [Job(w, args.rounds, args.block, args.warmup) for w in args.workloads]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "result.json")
+            mp.spawn(_rank_main, args=(ranks.free_port(), jobs, path), nprocs=WORLD, join=True)
+            with open(path) as f:
+                results = json.load(f)
+    if args.regime_json:
+        with open(args.regime_json, "w") as f:
+            json.dump({"results": results}, f)
+        return 0
+    text = report(results, started, args.link)
     print(text)
     if args.out:
         out = Path(args.out)

@@ -25,6 +25,7 @@ from fddp._compiler._cache._persistent import cache_dir, set_cache_dir
 from fddp._func._accumulate import accumulate_gradients
 from fddp._func._grad import grad, value_and_grad
 from fddp._func._invariant import Invariant
+from fddp._func._loss import Loss
 from fddp._func._remat import remat, remat_name
 from fddp._func._vmap import vmap
 from fddp._lowcomm._low_comm import LowCommState, diloco, local_sgd
@@ -52,6 +53,7 @@ __all__ = [  # in the order the reference page shows them
     "grad",
     "value_and_grad",
     "accumulate_gradients",
+    "Loss",
     "vmap",
     "block_until_ready",
     # collectives (per leaf, over a named axis)

@@ -165,6 +165,27 @@ class Raised:
     seconds: float  # from the check's start to the exception
 
 
+def run_world_sizes(
+    checks_for: Callable[[int], Mapping[str, Callable[[], Any]]],
+    worlds: tuple[int, ...] = (1, 2, 3, 4),
+    *,
+    in_process: contextlib.AbstractContextManager[Any] | None = None,
+    timeout: float = 120.0,
+) -> dict[int, Mapping[str, list[Any]]]:
+    """``checks_for(world)`` on each world size: a world of one in this process (inside
+    ``in_process``, such as the tests' ``one_thread()``, to run as a spawned rank does), each
+    other world in one spawn (:func:`run_checks`). Results by world size, then as
+    :func:`run_checks`'s."""
+    out: dict[int, Mapping[str, list[Any]]] = {}
+    for world in worlds:
+        if world == 1:
+            with in_process or contextlib.nullcontext():
+                out[1] = {name: [check()] for name, check in checks_for(1).items()}
+        else:
+            out[world] = run_checks(checks_for(world), world, timeout=timeout)
+    return out
+
+
 class CheckResults(Mapping[str, list[Any]]):
     """The outcomes of :func:`run_checks` by check name: ``results[name][rank]``.
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 import pytest
 import torch
 import torch.nn.functional as F
 from _compare import assert_trees_close, assert_trees_equal, max_abs_diff, one_thread
-from _dist import run_checks
+from _dist import run_world_sizes
 from torch import nn
 
 import fddp
@@ -112,6 +113,24 @@ def _simulate(model: str, replicas: int) -> dict:
     return {"params": params, "buffers": buffers, "opt_state": opt_state, "loss": loss}
 
 
+def _sums_before_the_last_matmul() -> tuple[int, int]:
+    """Where the step's graph launches its first int64 sum all-reduce, and where its last
+    matmul (the last chunk's backward) runs: buckets of one leaf each."""
+    step, params, buffers, opt_state = _setup("transformer", 0.0)
+    pstep = fddp.data_parallel(step, invariant=CHUNK, bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4)
+    rank, size = fddp.rank(), fddp.world_size()
+    local = {k: v.chunk(size)[rank] for k, v in _data("transformer", 0).items()}
+    nodes = list(pstep.graph(params, opt_state, buffers, local).graph.nodes)
+    sums = [
+        i
+        for i, n in enumerate(nodes)
+        if "all_reduce" in str(n.target)
+        and n.args[1] == "sum"
+        and n.meta["val"].dtype == torch.int64
+    ]
+    return sums[0], max(i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default)
+
+
 def _checks(world: int) -> dict:
     """What each world size runs: the transformer traced with a bucket cap that changes with
     the world size, the CNN traced on 1 and 3 ranks and eager on 2 and 4; the default mode
@@ -135,16 +154,13 @@ def _checks(world: int) -> dict:
                     _train, "transformer", invariant=CHUNK, bucket_cap_mb=cap
                 )
         checks["eager"] = functools.partial(_train, "transformer", invariant=CHUNK, trace=False)
+        checks["schedule"] = _sums_before_the_last_matmul
     return checks
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[int, dict]:
-    with one_thread():
-        out = {1: {name: [check()] for name, check in _checks(1).items()}}
-    for world in (2, 3, 4):
-        out[world] = run_checks(_checks(world), world, timeout=240)
-    return out
+def runs() -> dict[int, Mapping[str, list]]:
+    return run_world_sizes(_checks, in_process=one_thread(), timeout=240)
 
 
 @pytest.mark.parametrize("model", ["transformer", "cnn"])
@@ -171,6 +187,13 @@ def test_bitwise_equal_for_any_bucket_cap_and_without_tracing(runs):
         assert_trees_equal(result, reference, what=f"trace=False, rank {rank}")
 
 
+def test_each_leafs_exact_sum_is_launched_during_the_last_chunks_backward(runs):
+    """A leaf's exponent and fixed-point sum run where its last chunk's gradient is ready, so
+    its int64 all-reduce overlaps the rest of the backward pass, as the default mode's do."""
+    for first_sum, last_matmul in runs[2]["schedule"]:
+        assert first_sum < last_matmul
+
+
 def test_default_mode_is_not_invariant_but_agrees_to_tolerance(runs):
     one, three = runs[1]["default"][0], runs[3]["default"][0]
     assert max_abs_diff(one["params"], three["params"]) > 0, "default mode: same bits on 1 and 3"
@@ -179,6 +202,37 @@ def test_default_mode_is_not_invariant_but_agrees_to_tolerance(runs):
         invariant = runs[world]["invariant p=0"][0]
         assert_trees_close(invariant["params"], default["params"], rtol=0, atol=1e-5)
         assert_trees_close(invariant["loss"], default["loss"], rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize(
+    "dtype, scale, bits",
+    [
+        (torch.float64, 1e-300, 40),  # below float32's range
+        (torch.float64, 1e300, 40),  # above it
+        (torch.float32, 1e-36, 22),  # near float32's least normal
+        (torch.float32, 1e30, 22),
+    ],
+)
+def test_precision_holds_over_the_whole_range_of_the_dtype(dtype, scale, bits):
+    """The exponent and the scales are computed in the leaf's own range: the mean over the
+    chunks keeps the promised bits below the leaf's largest magnitude, also where some chunks'
+    gradients are all zero (they leave the scale to the others)."""
+    w = torch.tensor([1.0, 0.5, -0.25], dtype=dtype)
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    x[:3] = 0  # three chunks with all-zero gradients
+
+    def loss_fn(w, x):
+        return ((x @ w) * scale).mean()
+
+    def step(w, x):
+        loss, grads = fddp.value_and_grad(loss_fn)(w, x)
+        return fddp.pmean(loss), fddp.pmean(grads)
+
+    reference = fddp.value_and_grad(loss_fn)(w, x)
+    found = fddp.data_parallel(step, invariant=1)(w, x)
+    for got, want in zip(found, reference):
+        assert got.dtype == dtype and torch.isfinite(got).all()
+        assert_trees_close(got, want, rtol=0, atol=2.0**-bits * float(want.abs().max()))
 
 
 def test_errors_name_the_fix():

@@ -10,6 +10,7 @@ import fddp.typing
 
 PUBLIC = {
     "Invariant",
+    "Loss",
     "LowCommState",
     "CaptureError",
     "PrintWhileTracingWarning",

@@ -162,6 +162,39 @@ def test_dropout_without_remat_differs_per_seed():
     assert not _same(first, pstep(*args))
 
 
+def test_random_ops_with_an_explicit_generator_replay_its_state():
+    """A region's random ops that draw from an explicit ``torch.Generator`` (closed over, and
+    passed as an argument) get the numbers of the forward again when the backward recomputes
+    them, and the generator ends where it ends without remat: two calls in a row, bitwise."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 8)
+    x = torch.randn(4, 8)
+    closed = torch.Generator().manual_seed(3)
+
+    def step(w, x, passed, region):
+        def body(h, w):
+            h = torch.tanh(h @ w) * torch.rand(h.shape, generator=closed)
+            h = torch.tanh(h + torch.randn(h.shape, generator=passed))
+            return h * torch.bernoulli(torch.full_like(h, 0.7), generator=passed)
+
+        def loss_fn(w):
+            return ((fddp.remat(body) if region else body)(x, w) @ w).square().mean()
+
+        return fddp.pmean(fddp.grad(loss_fn)(w))
+
+    results = []
+    for region in (False, True):
+        closed.manual_seed(3)
+        passed = torch.Generator().manual_seed(4)
+        pstep = fddp.data_parallel(functools.partial(step, region=region))
+        grads = [pstep(w, x, passed) for _ in range(2)]
+        results.append((grads, closed.get_state(), passed.get_state()))
+    plan = pstep.schedule(w, x, passed).remat
+    recomputed = set(plan.regions[0].recomputed)
+    assert {"aten.rand.generator", "aten.randn.generator", "aten.bernoulli.default"} <= recomputed
+    assert_trees_equal(results[1], results[0])
+
+
 def test_a_value_written_in_place_after_the_region_is_kept_not_recomputed():
     """The region reads ``h`` and ``g``; the forward then doubles ``h`` in place. Recomputing
     ``h.sum()`` in the backward would read the doubled ``h``: that sum is kept, ``g.sum()`` is

@@ -11,3 +11,4 @@ REMAT_REGION = "fddp_remat"  # (call token, its policy's fields or None): a fddp
 REMAT_BLOCK = "fddp_remat_block"  # call token of a repeated block: a region of the step's policy
 REMAT_NAME = "fddp_remat_name"  # on the marker fddp.remat_name leaves: the value's name
 REMAT_RECOMPUTED = "fddp_remat_recomputed"  # a node recomputed in the backward: its region
+EXACT_SUM = "fddp_exact_sum"  # the invariant mode's reduction of a leaf up to its sum's all-reduce

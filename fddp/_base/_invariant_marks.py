@@ -1,4 +1,4 @@
-"""The invariant mode's context: the axis it reduces over and the values it already reduced."""
+"""A step's reduction context: the axis its gradients reduce over, the values already reduced."""
 
 from __future__ import annotations
 
@@ -16,14 +16,16 @@ from fddp._base._errors import UsageValueError
 
 @dataclasses.dataclass
 class Context:
-    """An active invariant mode: ``run`` computes a value_and_grad call per chunk (see
-    ``fddp._func._invariant``); ``reduced`` holds the tensors it returned, already exact means over
-    the global batch, the same on every replica of ``axis_name`` and so of each of
-    ``sub_axes`` (axes over subgroups of its group): ``pmean`` over any of them passes them
+    """The step that ``data_parallel`` or ``vmap`` runs, over ``axis_name``: in the invariant
+    mode ``run`` computes a value_and_grad call per chunk (see ``fddp._func._invariant``),
+    else it is None and a value_and_grad call of an ``fddp.Loss`` sums it over the axis (see
+    ``fddp._func._grad.normalised``). ``reduced`` holds the tensors either returned, already
+    the value over the global batch, the same on every replica of ``axis_name`` and so of each
+    of ``sub_axes`` (axes over subgroups of its group): ``pmean`` over any of them passes them
     through unchanged."""
 
     axis_name: str
-    run: Callable[..., Any]
+    run: Callable[..., Any] | None
     sub_axes: tuple[str, ...] = ()
     reduced: dict[int, weakref.ref] = dataclasses.field(default_factory=dict)
 
@@ -41,7 +43,7 @@ class Context:
         return ref is not None and ref() is x
 
 
-_stack: list[Context | None] = []  # None: suspended (inside a chunk's own gradient)
+_stack: list[Context | None] = []  # None: suspended (inside a differentiated function)
 
 
 @contextlib.contextmanager
@@ -55,12 +57,14 @@ def entered(context: Context | None) -> Iterator[None]:
 
 
 def active() -> Context | None:
-    """The innermost active context, None outside the mode or inside a chunk's gradient."""
+    """The innermost active context, None outside every step or inside a differentiated
+    function."""
     return _stack[-1] if _stack else None
 
 
 def covers(axis_name: str) -> bool:
-    """Whether the active mode's results are the same on every replica of ``axis_name``."""
+    """Whether the active step's reduced results are the same on every replica of
+    ``axis_name``."""
     context = active()
     return context is not None and context.covers(axis_name)
 
@@ -68,8 +72,8 @@ def covers(axis_name: str) -> bool:
 def passes_through(tree: Any, axis_name: str, where: str = "pmean") -> bool:
     """Whether a mean of ``tree`` over ``axis_name`` (``where``: ``pmean``, or a sharded
     optimizer's reduce-scatter) is the identity: every tensor leaf was reduced by the active
-    mode, whose results are the same on every replica of that axis. A tree that mixes reduced
-    and other leaves is an error."""
+    step (the invariant mode, or an ``fddp.Loss``), whose results are the same on every replica
+    of that axis. A tree that mixes reduced and other leaves is an error."""
     context = active()
     if context is None or not context.covers(axis_name):
         return False
@@ -85,8 +89,8 @@ def passes_through(tree: Any, axis_name: str, where: str = "pmean") -> bool:
             else "Pass it only the gradients that fddp.value_and_grad returned."
         )
         raise UsageValueError(
-            f"{where}: this tree mixes values that the invariant mode already reduced exactly "
-            "(the loss, gradients and aux that fddp.value_and_grad returned) with other "
-            f"tensors. {fix}"
+            f"{where}: this tree mixes values that fddp.value_and_grad already reduced over the "
+            "global batch (in the invariant mode, or of an fddp.Loss: the loss, the gradients "
+            f"and, in the invariant mode, the aux) with other tensors. {fix}"
         )
     return True

@@ -9,8 +9,10 @@ from typing import Any
 import optree
 import torch
 
+from fddp._base import _invariant_marks
 from fddp._base._tree import leaves_with_paths
-from fddp._func._grad import value_and_grad
+from fddp._func._grad import normalised, partial_value_and_grad, value_and_grad
+from fddp._func._loss import Loss, kind, mixed_kinds_error
 
 
 def _split(batch: Any, k: int, argnum: int) -> tuple[list[Any], list[int]]:
@@ -61,9 +63,20 @@ def accumulate_gradients(
     microbatch), and returns the row-weighted mean of the losses and of the gradients, which
     for a loss that is a mean over rows equals the value and gradient on the whole batch.
 
-    This is DDP's ``no_sync()`` without a context manager: nothing is communicated here, so
-    inside ``fddp.data_parallel`` one ``fddp.pmean`` of the result costs one all-reduce per
-    bucket for all microbatches, overlapped with the last microbatch's backward pass.
+    A ``loss_fn`` that returns an :class:`fddp.Loss` (a mean over tokens, a sum) is summed
+    instead: each microbatch's total, weight and gradient are added as it is consumed, and
+    the sums are divided once, by the weight summed over every microbatch and (inside
+    ``fddp.data_parallel`` or ``fddp.vmap``) every replica, exactly as
+    :func:`fddp.value_and_grad` of the whole batch does. In the invariant mode
+    (``invariant=``) the chunks are the microbatches: the result is bitwise that of
+    ``fddp.value_and_grad`` on the whole batch, and ``auxes`` holds one aux, its exact mean
+    over every chunk.
+
+    This is DDP's ``no_sync()`` without a context manager: nothing is communicated here for a
+    scalar loss, so inside ``fddp.data_parallel`` one ``fddp.pmean`` of the result costs one
+    all-reduce per bucket for all microbatches, overlapped with the last microbatch's backward
+    pass (for an :class:`fddp.Loss`, that all-reduce happens here, once, and ``fddp.pmean``
+    returns the result as it is).
 
     Args:
         loss_fn: ``loss_fn(*args) -> loss`` (or ``(loss, aux)`` with ``has_aux=True``).
@@ -83,13 +96,17 @@ def accumulate_gradients(
     (tensor(3.), tensor([2., 4.]))
     >>> fddp.value_and_grad(loss_fn)(w, x)
     (tensor(3.), tensor([2., 4.]))
+    >>> summed = lambda w, x: fddp.Loss.sum(((x @ w) ** 2).sum())
+    >>> fddp.accumulate_gradients(summed, 2)(w, x)
+    (tensor(9.), tensor([ 6., 12.]))
     """
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(
             f"accumulate_gradients: num_microbatches must be a positive int, got "
             f"{num_microbatches!r}."
         )
-    vg = value_and_grad(loss_fn, argnums=argnums, has_aux=has_aux)
+    whole = value_and_grad(loss_fn, argnums=argnums, has_aux=has_aux)
+    vg = partial_value_and_grad(loss_fn, argnums=argnums, has_aux=has_aux)
     diff_nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     batch_nums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
     k = num_microbatches
@@ -116,6 +133,10 @@ def accumulate_gradients(
                 "accumulate_gradients: the batch arguments have different numbers of rows; "
                 "every batch argument must hold the same rows."
             )
+        context = _invariant_marks.active()
+        if context is not None and context.run is not None:  # the chunks are the microbatches
+            value, grads = whole(*args, **kwargs)
+            return (((value[0], [value[1]]) if has_aux else value), grads)
         (rows,) = sizes
         equal = len(set(rows)) == 1
         total: Any = None
@@ -126,12 +147,36 @@ def accumulate_gradients(
             if has_aux:
                 value, aux = value
                 auxes.append(aux)
-            out = (value, grads)
-            if not equal:
-                out = optree.tree_map(lambda t, r=rows[i]: t * r, out)
-            total = out if total is None else optree.tree_map(torch.add, total, out)
-        divisor = k if equal else sum(rows)
-        value, grads = optree.tree_map(lambda t: t / divisor, total)
+            total = _added(total, _summand(value, grads, None if equal else rows[i]))
+        value, grads = _finished(total, k if equal else sum(rows))
         return ((value, auxes) if has_aux else value), grads
 
     return wrapper
+
+
+def _summand(value: Any, grads: Any, rows: int | None) -> tuple[str, Any]:
+    """What a microbatch adds: an fddp.Loss's total, weight and gradients as they are; a
+    scalar mean's value and gradients, times its rows when microbatches differ in rows."""
+    if isinstance(value, Loss):
+        return kind(value), (value.total, value.weight, grads)
+    if rows is None:
+        return "example", (value, grads)
+    return "example", optree.tree_map(lambda t: t * rows, (value, grads))
+
+
+def _added(total: tuple[str, Any] | None, part: tuple[str, Any]) -> tuple[str, Any]:
+    if total is None:
+        return part
+    if total[0] != part[0]:
+        raise mixed_kinds_error("accumulate_gradients", total[0], part[0], "microbatch")
+    return total[0], optree.tree_map(torch.add, total[1], part[1])
+
+
+def _finished(total: tuple[str, Any], divisor: int) -> tuple[torch.Tensor, Any]:
+    """The accumulated sums divided once: a scalar mean's by ``divisor`` (the microbatches,
+    or the rows when they differ), an fddp.Loss's by its global weight (:func:`normalised`)."""
+    name, sums = total
+    if name == "example":
+        return optree.tree_map(lambda t: t / divisor, sums)
+    summed, weight, grads = sums
+    return normalised(Loss(summed, weight), grads)

@@ -10,12 +10,16 @@ import optree
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+from torch.fx import traceback as fx_traceback
 from torch.overrides import TorchFunctionMode
 
 from fddp._base import _invariant_marks
+from fddp._base._annotations import EXACT_SUM
 from fddp._base._errors import UsageTypeError, UsageValueError
 from fddp._base._tree import leaves_with_paths
+from fddp._collectives._bucket_policy import pack
 from fddp._collectives._ops import named_axis, psum
+from fddp._func._loss import Loss, kind, mixed_kinds_error
 
 _MASK32 = 0xFFFFFFFF
 _MIX = 0x45D9F3B  # below 2**27: a 32-bit value times it stays inside int64
@@ -28,14 +32,18 @@ class Invariant(NamedTuple):
     Inside a step built with ``invariant=...``, ``fddp.value_and_grad``/``fddp.grad`` split the
     batch argument of the differentiated function into chunks of ``chunk_size`` examples,
     compute each chunk's loss and gradient alone (same shapes on any number of ranks), with
-    dropout drawn from a key of the step's seed and the chunk's global index, and average them
+    dropout drawn from a key of the step's seed and the chunk's global index, and sum them
     over every chunk of the global batch exactly: each value is rounded once to a fixed-point
     int64 on a scale all ranks agree on, the integers are summed (any order gives the same
-    sum), and the mean is converted back once. ``fddp.pmean`` of these results returns them as
-    they are. So any number of ranks, ``fddp.vmap`` replicas and any bucket cap give bitwise
-    the same parameters, with ``overlap_steps``, ``shard_params``, ``shard_state`` and ``axes``
-    too (a mean of the results over the step's axes, or ``shard_state``'s reduce-scatter, is
-    the identity). ``compile=True`` is refused (docs/guides/determinism.md).
+    sum), and the sum is converted back once. A scalar loss is taken as a mean over the
+    chunk's examples, so the chunks' sum is divided by their number; an ``fddp.Loss`` says
+    otherwise: ``Loss.mean(total, weight)`` divides the summed totals by the summed weights
+    (a mean over tokens), ``Loss.sum(total)`` divides by nothing. ``fddp.pmean`` of these
+    results returns them as they are. So any number of ranks, ``fddp.vmap`` replicas and any
+    bucket cap give bitwise the same parameters, with ``overlap_steps``, ``shard_params``,
+    ``shard_state`` and ``axes`` too (a mean of the results over the step's axes, or
+    ``shard_state``'s reduce-scatter, is the identity). ``compile=True`` is refused
+    (docs/guides/determinism.md).
 
     Attributes:
         chunk_size: examples per chunk; every rank's batch must be a multiple of it.
@@ -98,27 +106,28 @@ def check_backend(backend: str) -> None:
 
 
 def within(
-    invariant: Invariant,
+    invariant: Invariant | None,
     axis_name: str,
     sub_axes: tuple[str, ...],
     fn: Callable[..., Any],
     *args: Any,
     **kwargs: Any,
 ) -> Any:
-    """``fn(*args, **kwargs)`` with the mode active over ``axis_name`` (``sub_axes``: axes
-    over subgroups of its group, such as ``data_parallel``'s ``axes``)."""
-    run = functools.partial(_run, invariant)
+    """``fn(*args, **kwargs)`` as a step over ``axis_name`` (``sub_axes``: axes over subgroups
+    of its group, such as ``data_parallel``'s ``axes``): in the invariant mode, or with None
+    in the default mode, where an ``fddp.Loss`` is summed over the axis."""
+    run = None if invariant is None else functools.partial(_run, invariant)
     with _invariant_marks.entered(_invariant_marks.Context(axis_name, run, sub_axes)):
         return fn(*args, **kwargs)
 
 
 def wrapped(
-    invariant: Invariant,
+    invariant: Invariant | None,
     axis_name: str,
     fn: Callable[..., Any],
     sub_axes: Sequence[str] = (),
 ) -> Callable[..., Any]:
-    """``fn`` running with the mode active; keeps ``fn``'s name for errors and reports."""
+    """``fn`` running as a step (:func:`within`); keeps ``fn``'s name for errors and reports."""
     step = functools.partial(within, invariant, axis_name, tuple(sub_axes), fn)
     functools.update_wrapper(step, fn)
     return step
@@ -175,6 +184,8 @@ class _Job:
         self.device = next(x.device for x in batch_leaves if isinstance(x, torch.Tensor))
         self.aux_box: list[Any] = []
         self.n_floats = 0
+        self.kind = ""  # of the loss: "example" (a scalar), "mean" or "sum" (an fddp.Loss)
+        self.aux_floats = 0  # floating tensors in the aux, after the value and before the grads
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.arg_leaves[i] for i in self.tensor_at]
@@ -189,7 +200,8 @@ class _Job:
         self, tensors: Sequence[torch.Tensor], first_chunk: torch.Tensor, seed: torch.Tensor
     ) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
         """Per chunk of this replica's batch: (floating values, integer values), flat; the
-        value first, then the aux's tensor leaves, then the gradients."""
+        value first (an fddp.Loss's total), then the aux's tensor leaves, then the gradients,
+        and last an fddp.Loss.mean's weight (as float64)."""
         args = self.args_from(tensors)
         size = self.invariant.chunk_size
         out = []
@@ -206,18 +218,25 @@ class _Job:
             aux = None
             if self.has_aux:
                 value, aux = value
+            normalised_as, value, weight = _parts(value)
             leaves, spec = optree.tree_flatten((value, aux, grads))
-            self._check(value, leaves, spec)
-            floats = [x for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()]
-            ints = [x for x in leaves if isinstance(x, torch.Tensor) and not x.is_floating_point()]
+            self._check(normalised_as, value, aux, leaves, spec)
+            floats = [x for x in leaves if _floating(x)]
+            ints = [x for x in leaves if isinstance(x, torch.Tensor) and not _floating(x)]
+            if weight is not None:  # reduced like the floats; exact for integer counts
+                floats.append(weight.to(torch.float64))
             out.append((floats, ints))
         return out
 
-    def _check(self, value: Any, leaves: list[Any], spec: optree.PyTreeSpec) -> None:
+    def _check(
+        self, normalised_as: str, value: Any, aux: Any, leaves: list[Any], spec: optree.PyTreeSpec
+    ) -> None:
         if not (isinstance(value, torch.Tensor) and value.dim() == 0):
             raise UsageValueError(
-                "invariant mode: the differentiated function must return a scalar tensor loss "
-                "that is the mean over the batch's examples."
+                "invariant mode: the differentiated function must return a scalar tensor loss, "
+                "taken as the mean over the batch's examples (the mode averages the chunks' "
+                "values), or an fddp.Loss: fddp.Loss.mean(total, weight) for a mean over tokens "
+                "or weighted examples, fddp.Loss.sum(total) for a sum."
             )
         plain = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         kinds = [
@@ -226,11 +245,15 @@ class _Job:
         ]
         if not self.aux_box:
             self.aux_box.append((spec, plain, kinds))
+            self.kind = normalised_as
+            self.aux_floats = sum(_floating(x) for x in optree.tree_leaves(aux))
         elif self.aux_box[0] != (spec, plain, kinds):
             raise UsageValueError(
                 "invariant mode: the aux returned for two chunks differs in structure or in "
                 "its non-tensor values; aux must look the same for every chunk."
             )
+        elif normalised_as != self.kind:
+            raise mixed_kinds_error("invariant mode", self.kind, normalised_as, "chunk")
         for x in leaves:
             if isinstance(x, torch.Tensor) and x.is_complex():
                 raise UsageTypeError(
@@ -371,70 +394,143 @@ class _KeyedRandomness(TorchFunctionMode):
         return input.copy_(out) if inplace else out
 
 
-def _exponents(chunks: list[list[torch.Tensor]], bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per floating leaf, over chunks: the power of two above every magnitude (at least
-    ``bits - 126``, so that the scale ``2**(bits - e)`` is a float32), and whether any value
-    is not finite."""
-    exps, bad = [], []
-    for leaf_chunks in zip(*chunks):
-        big = torch.stack([_amax(x) for x in leaf_chunks]).amax()
-        exps.append(torch.frexp(big).exponent.to(torch.int64).clamp(min=bits - 126))
-        bad.append((~torch.isfinite(big)).to(torch.int64))
-    return torch.stack(exps), torch.stack(bad)
+# Below every magnitude of the dtype (the exponent of an all-zero leaf, so that it leaves the
+# scale to the others): float64's least subnormal is 2**-1074, float32's (and so bfloat16's
+# and float16's, reduced in float32) 2**-149.
+_FLOOR_EXPONENT = {torch.float64: -1075}
+_FLOOR_EXPONENT_32 = -150
+# Where the first of the two powers of two a scale is split into is clamped, per reduced dtype:
+# both stay normal, and the first leaves room for a divisor (a chunk count, a global weight).
+_FIRST_POWER = {torch.float32: (-60, 125), torch.float64: (-960, 1000)}
+_EXPONENT_GROUPS = 16  # about as many as a step's gradient buckets (the bucket rule's sixteenth)
+
+
+def _parts(value: Any) -> tuple[str, Any, torch.Tensor | None]:
+    """A chunk's loss as (kind, the value to reduce, the weight to reduce beside it)."""
+    if isinstance(value, Loss):
+        return kind(value), value.total, value.weight
+    return kind(value), value, None
+
+
+def _floating(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+def _reduced_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a leaf's largest magnitude and exponent are computed in (its own range)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
-    """The largest magnitude in ``x`` as float32, in one pass (NaN if any is NaN)."""
+    """The largest magnitude in ``x`` in its reduced dtype, in one pass (NaN if any is NaN)."""
+    dtype = _reduced_dtype(x.dtype)
     if x.numel() == 0:
-        return torch.zeros((), device=x.device)
+        return torch.zeros((), dtype=dtype, device=x.device)
     low, high = torch.aminmax(x.detach())
-    return torch.maximum(high, -low).float()
+    return torch.maximum(high, -low).to(dtype)
 
 
-def _fixed(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x * scale`` truncated to int64: the product, below ``2**bits`` in magnitude, is exact
-    in float32 (scale is a power of two), so only the fraction below the grid is dropped."""
-    x = x.detach()
-    if x.dtype not in (torch.float32, torch.float64):
-        x = x.float()  # float16 cannot hold the scaled values
-    return (x * scale.to(x.dtype)).to(torch.int64)
+def _exponent(chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[e, bad]`` (int64) of one leaf over its chunks: the power of two above every
+    magnitude (below every magnitude of the dtype when all are zero), and whether any value
+    is not finite."""
+    big = torch.stack([_amax(x) for x in chunks]).amax()
+    floor = _FLOOR_EXPONENT.get(chunks[0].dtype, _FLOOR_EXPONENT_32)
+    finite = torch.isfinite(big)
+    exponent = torch.where(finite & (big > 0), torch.frexp(big).exponent.to(torch.int64), floor)
+    return torch.stack([exponent, (~finite).to(torch.int64)])
 
 
-def _quantized_sums(
-    chunks: list[list[torch.Tensor]], exps: torch.Tensor, bits: int
-) -> list[torch.Tensor]:
-    """Per floating leaf, the int64 sum over chunks of its fixed-point values."""
-    scales = torch.ldexp(torch.ones(len(exps), device=exps.device), (bits - exps).float())
-    out = []
-    for j, leaf_chunks in enumerate(zip(*chunks)):
-        total = _fixed(leaf_chunks[0], scales[j])
-        for x in leaf_chunks[1:]:
-            total = total + _fixed(x, scales[j])
-        out.append(total)
-    return out
-
-
-def _means(
-    sums: list[torch.Tensor],
-    like: list[torch.Tensor],
-    exps: torch.Tensor,
-    bad: torch.Tensor,
-    count: int,
-    bits: int,
-) -> list[torch.Tensor]:
-    """Per leaf, the int64 sum as the mean of ``count`` values (NaN where one was not
-    finite), in the leaf's dtype: converted to float32 (float64 leaves: float64) and scaled
-    by ``2**(e - bits) / count``."""
-    factors = torch.ldexp(
-        torch.full((len(exps),), 1.0 / count, dtype=torch.float64, device=exps.device),
-        (exps - bits).to(torch.float64),
+def _powers_of_two(
+    exponent: torch.Tensor, dtype: torch.dtype, divisor: int | torch.Tensor = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two scalars of the leaf's reduced dtype whose product is ``2**exponent / divisor``:
+    the exponent's range exceeds the dtype's (float32's reaches ``2**-149``, a fixed point
+    ``2**bits`` above it), so it is split in two powers of two, each exact, and the division
+    is rounded once into the first."""
+    dtype = _reduced_dtype(dtype)
+    low, high = _FIRST_POWER[dtype]
+    first = exponent.clamp(low, high)
+    return (
+        (torch.exp2(first.to(torch.float64)) / divisor).to(dtype),
+        torch.exp2((exponent - first).to(torch.float64)).to(dtype),
     )
-    factors = torch.where(bad > 0, torch.nan, factors)
+
+
+def _fixed_sum(chunks: Sequence[torch.Tensor], exponent: torch.Tensor, bits: int) -> torch.Tensor:
+    """The int64 sum over chunks of one leaf's fixed-point values ``trunc(x * 2**(bits - e))``:
+    multiplying by a power of two that keeps the product below ``2**bits`` is exact (in the
+    leaf's reduced dtype, by the two parts of the scale, so that neither overflows), so only
+    the fraction below the grid is dropped."""
+    dtype = _reduced_dtype(chunks[0].dtype)
+    first, second = _powers_of_two(bits - exponent, dtype)
+    total = None
+    for x in chunks:
+        fixed = (x.detach().to(dtype) * first * second).to(torch.int64)
+        total = fixed if total is None else total + fixed
+    assert total is not None
+    return total
+
+
+def _mean_of(
+    total: torch.Tensor,
+    shared: torch.Tensor,
+    divisor: int | torch.Tensor,
+    dtype: torch.dtype,
+    bits: int,
+) -> torch.Tensor:
+    """An int64 sum of fixed-point values (``shared``: its ``[e, bad]``) as ``dtype``, divided
+    by ``divisor``: scaled by ``2**(e - bits) / divisor`` in the reduced dtype, NaN where a
+    value was not finite."""
+    first, second = _powers_of_two(shared[0] - bits, dtype, divisor)
+    first = torch.where(shared[1] > 0, torch.nan, first)
+    return (total.to(first.dtype) * first * second).to(dtype)
+
+
+def _reduce(
+    job: _Job,
+    chunks: list[tuple[list[torch.Tensor], list[torch.Tensor]]],
+    count: int,
+    agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    summed: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
+) -> list[torch.Tensor]:
+    """The floating leaves of ``chunks`` (this replica's) reduced over all ``count`` chunks of
+    the global batch: per leaf, its exponent (``agree``: the maximum over the replicas), its
+    exact sum (``summed``: over the replicas), divided as the loss's kind says."""
+    bits = job.invariant.fraction_bits
+    leaves = list(zip(*(floats for floats, _ in chunks)))
+    shared: list[Any] = [None] * len(leaves)
+    sums: list[Any] = [None] * len(leaves)
+    for group in _exponent_groups(leaves):
+        # run where the group's last chunk is ready (the compiler hoists these nodes), so that
+        # its sums' all-reduces overlap the rest of the last chunk's backward pass
+        with fx_traceback.annotate({EXACT_SUM: True}):
+            exponents = torch.stack([_exponent(leaves[j]) for j in group])
+            exponents = exponents if agree is None else agree(exponents)
+            for j, exponent in zip(group, exponents.unbind()):
+                shared[j] = exponent
+                sums[j] = _fixed_sum(leaves[j], exponent[0], bits)
+    if summed is not None:
+        sums = summed(sums)
+    divisor: int | torch.Tensor = {"example": count, "sum": 1}.get(job.kind, count)
+    if job.kind == "mean":
+        divisor = _mean_of(sums.pop(), shared.pop(), 1, torch.float64, bits)
     out = []
-    for j, (total, x) in enumerate(zip(sums, like)):
-        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        out.append((total.to(dtype) * factors[j].to(dtype)).to(x.dtype))
+    for j, (total, exponent) in enumerate(zip(sums, shared)):
+        aux = 1 <= j <= job.aux_floats  # after the value: the aux's mean over chunks
+        out.append(_mean_of(total, exponent, count if aux else divisor, leaves[j][0].dtype, bits))
     return out
+
+
+def _exponent_groups(leaves: list[tuple[torch.Tensor, ...]]) -> list[list[int]]:
+    """The leaves whose exponents one all-reduce agrees on: in reverse order (a backward pass
+    produces the last parameters' gradients first), packed as gradient buckets are, a
+    sixteenth of the bytes each after a smaller first group, so that a group is ready early
+    and the exponents cost about sixteen small all-reduces, not one per leaf."""
+    nbytes = [x[0].numel() * x[0].element_size() for x in reversed(leaves)]
+    cap = max(sum(nbytes) // _EXPONENT_GROUPS, 1)
+    groups = pack(nbytes, [None] * len(nbytes), cap, first_cap=max(cap // 4, 1))
+    return [[len(leaves) - 1 - i for i in group] for group in groups]
 
 
 def _int_maxes(chunks: list[list[torch.Tensor]]) -> list[torch.Tensor]:
@@ -450,8 +546,9 @@ def _run(
     kwargs: dict[str, Any],
     plain: Callable[..., Any],
 ) -> Any:
-    """One value_and_grad call in the mode: ``((value[, aux]), grads)`` averaged exactly over
-    every chunk of the global batch, the same on every replica."""
+    """One value_and_grad call in the mode: ``((value[, aux]), grads)`` summed exactly over
+    every chunk of the global batch and divided as the loss's kind says, the same on every
+    replica."""
     context = _invariant_marks.active()
     assert context is not None
     job = _Job(invariant, f, argnums, has_aux, args, kwargs, plain)
@@ -489,20 +586,18 @@ def _over_ranks(job: _Job, axis: Any) -> tuple[list[torch.Tensor], list[torch.Te
     index = axis.index() if size > 1 else torch.tensor(0)  # one rank: nothing per rank
     first = index.to(job.device) * job.chunks
     chunks = job.chunk_results(job.tensors(), first, _seed(job))
-    floats = [c[0] for c in chunks]
-    ints = [c[1] for c in chunks]
-    bits = job.invariant.fraction_bits
-    exps, bad = _exponents(floats, bits)
-    int_max = _int_maxes(ints)
-    shared = torch.cat([exps, bad, *(x.reshape(-1).to(torch.int64) for x in int_max)])
-    if size > 1:
-        shared = funcol.wait_tensor(funcol.all_reduce(shared, "max", axis.group_name))
-    n = len(exps)
-    exps, bad = shared[:n], shared[n : 2 * n]
-    int_out = _unpack_ints(shared[2 * n :], int_max)
-    sums = _quantized_sums(floats, exps, bits)
-    sums = psum(sums, axis.name) if size > 1 else sums
-    return _means(sums, floats[0], exps, bad, total, bits), int_out
+    int_max = _int_maxes([ints for _, ints in chunks])
+    if size == 1:
+        return _reduce(job, chunks, total), int_max
+
+    def agree(x: torch.Tensor) -> torch.Tensor:
+        return funcol.wait_tensor(funcol.all_reduce(x, "max", axis.group_name))
+
+    floats = _reduce(job, chunks, total, agree, lambda sums: psum(sums, axis.name))
+    if not int_max:
+        return floats, []
+    flat = agree(torch.cat([x.reshape(-1).to(torch.int64) for x in int_max]))
+    return floats, _unpack_ints(flat, int_max)
 
 
 def _unpack_ints(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -544,13 +639,9 @@ class _OverReplicas(torch.autograd.Function):
             mine = [x if d is None else x.select(d, r) for x, d in zip(tensors, dims)]
             first = torch.tensor(r * job.chunks, device=job.device)
             per_replica.append(job.chunk_results(mine, first, seed))
-        floats = [c[0] for chunks in per_replica for c in chunks]
-        ints = [c[1] for chunks in per_replica for c in chunks]
-        bits = job.invariant.fraction_bits
-        exps, bad = _exponents(floats, bits)
-        sums = _quantized_sums(floats, exps, bits)
-        means = _means(sums, floats[0], exps, bad, total, bits)
-        int_out = _int_maxes(ints)
+        chunks = [c for replica in per_replica for c in replica]
+        means = _reduce(job, chunks, total)
+        int_out = _int_maxes([ints for _, ints in chunks])
         job.n_floats = len(means)
         out = (*means, *int_out)
         return out, (None,) * len(out)

@@ -328,6 +328,7 @@ def _vmap_call(
     in_dims: Any,
     out_dims: Any,
     randomness: str,
+    chunked: _invariant.Invariant | None,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
@@ -346,7 +347,7 @@ def _vmap_call(
             for spec, n in zip(specs, counts)
         ]
         with _axes.bind(VmapAxis(axis_name, replicas, replica_index)):
-            out = _gathered_call(fn, inner_args, kwargs)
+            out = _invariant.within(chunked, axis_name, (), _gathered_call, fn, inner_args, kwargs)
         out_leaves, spec = optree.tree_flatten(out)
         if not uniform:
             flat_out_dims[:] = _prefix_dims(out_dims, out, "out_dims")
@@ -421,10 +422,9 @@ def vmap(
     """
 
     chunked = _invariant.checked(invariant)
-    inner = fn if chunked is None else _invariant.wrapped(chunked, axis_name, fn)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return _vmap_call(inner, axis_name, in_dims, out_dims, randomness, args, kwargs)
+        return _vmap_call(fn, axis_name, in_dims, out_dims, randomness, chunked, args, kwargs)
 
     return wrapper

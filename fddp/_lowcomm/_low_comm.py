@@ -13,7 +13,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp._base import _axes, _saved_together
+from fddp._base import _axes, _invariant_marks, _saved_together
 from fddp._base._axes import DEFAULT_AXIS
 from fddp._base._errors import RetraceWarning, UsageValueError
 from fddp._base._tree import path_str
@@ -314,7 +314,8 @@ def _matching(who: str, params: Any, outer_params: Any) -> list[int]:
 
 
 def _inner_step(rule: _Rule, params: Any, args: tuple) -> tuple:
-    out = rule.step(params, *args)
+    with _invariant_marks.entered(None):  # per-rank by design: an fddp.Loss of its own batch
+        out = rule.step(params, *args)
     if not isinstance(out, tuple) or not out:
         raise TypeError(
             f"{rule.name}: the step must return a tuple whose first element is the new "

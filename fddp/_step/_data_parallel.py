@@ -49,10 +49,10 @@ class DataParallelStep:
         if not hasattr(self, "__name__"):  # a functools.partial or another callable object
             self.__name__ = qualified_name(step_fn, module=False).rpartition(".")[2]
         self._described = [("the step", qualified_name(step_fn)), *options.lines()]
-        if options.invariant is not None:
-            step_fn = _invariant.wrapped(
-                options.invariant, options.axis_name, step_fn, sub_axes=tuple(options.axes)
-            )
+        # the step's reduction context: the invariant mode's, else the one an fddp.Loss sums over
+        step_fn = _invariant.wrapped(
+            options.invariant, options.axis_name, step_fn, sub_axes=tuple(options.axes)
+        )
         self._step_fn = step_fn
         self._capture_method = "make_fx"  # "dynamo" once make_fx failed: it is not tried again
         self._models = KnownModels()

@@ -15,7 +15,7 @@ from torch import fx
 from torch._guards import detect_fake_mode
 from torch._prims_common import make_contiguous_strides_for
 
-from fddp._base._annotations import BUCKET, BUCKET_LEAVES, LEAF_PATH
+from fddp._base._annotations import BUCKET, BUCKET_LEAVES, EXACT_SUM, LEAF_PATH
 from fddp._collectives._bucket_policy import pack
 from fddp._compiler._capture._quick_record import view_value
 from fddp._compiler._graph import (
@@ -156,11 +156,15 @@ def rewrite(
         for m in bucket:  # an earlier bucket may have replaced the node this one reduces
             m.source = cast(fx.Node, m.collective.args[0])
         ready = max(ready_node(writes, m.source, m.collective) for m in bucket)
-        chain = _Chain(graph, ready, {BUCKET: index}, writes)
+        meta: dict[str, Any] = {BUCKET: index}
+        if all(EXACT_SUM in m.collective.meta.get("custom", {}) for m in bucket):
+            meta[EXACT_SUM] = True  # the invariant mode's exponents: waited for where they stand
+        chain = _Chain(graph, ready, meta, writes)
         dtype = value(bucket[0].source).dtype
         divisors = {_divisor(m) for m in bucket}
         divisor = divisors.pop() if len(divisors) == 1 else None
-        wire = comm_dtype if comm_dtype is not None else dtype
+        # integers (an fddp.Loss's token count, a psum'd counter) are never cast
+        wire = comm_dtype if comm_dtype is not None and dtype.is_floating_point else dtype
         pack = _pack_functional if functional else _pack_in_place
         launch = pack(chain, bucket, divisor, wire)
         launch.meta[BUCKET_LEAVES] = tuple(m.path for m in bucket)

@@ -10,7 +10,7 @@ from typing import cast
 import torch
 from torch import fx
 
-from fddp._base._annotations import BUCKET, PARAM_GATHER, REMAT_RECOMPUTED
+from fddp._base._annotations import BUCKET, EXACT_SUM, PARAM_GATHER, REMAT_RECOMPUTED
 from fddp._compiler._graph import (
     alias_root,
     c10d,
@@ -70,25 +70,36 @@ def _cheap(node: fx.Node) -> bool:
     )
 
 
+def _exact_sum(node: fx.Node) -> bool:
+    """A node of the invariant mode's reduction of one leaf up to its sum's all-reduce: traced
+    so (``EXACT_SUM``), or a bucket made only of its exponents' all-reduces."""
+    return bool(node.meta.get(EXACT_SUM) or node.meta.get("custom", {}).get(EXACT_SUM))
+
+
 def hoist_gradient_sums(graph: fx.Graph) -> None:
     """Move the cheap ops that finish each all-reduced value up to right after their inputs.
 
     A gradient summed over microbatches is finished by an ``add`` that the trace places after
     the whole last backward pass; hoisted to where its last term is produced, its bucket can
-    launch during that backward instead of after it.
+    launch during that backward instead of after it. The invariant mode's reduction of a leaf
+    (its exponent's all-reduce, the chunks' fixed-point sum) moves the same way, to where the
+    leaf's last chunk is ready.
     """
     sources = [n.args[0] for n in graph.nodes if is_collective(n) and n.args]
     cone: set[fx.Node] = set()
     stack = [s for s in sources if isinstance(s, fx.Node)]
     while stack:
         node = stack.pop()
-        if node not in cone and _cheap(node):
+        if node not in cone and (_cheap(node) or _exact_sum(node)):
             cone.add(node)
             stack.extend(node.all_input_nodes)
     writes = in_place_writes(graph)  # cheap ops write nothing, so moving them keeps these
+    start = [n for n in graph.nodes if n.op == "placeholder"][-1:]  # a constant goes first
     for node in sorted(cone):
-        anchor = max(ready_node(writes, a, node) for a in node.all_input_nodes)
-        if anchor.next is not node:
+        anchor = max((ready_node(writes, a, node) for a in node.all_input_nodes), default=None)
+        if anchor is None and start:
+            anchor = start[0]
+        if anchor is not None and anchor.next is not node:
             anchor.append(node)
 
 
@@ -126,7 +137,8 @@ def _list_args(node: fx.Node) -> list[int]:
 
 
 def _buckets_needed(graph: fx.Graph) -> dict[fx.Node, int]:
-    """For every node, the highest launch-order index of a wait it depends on (or -1).
+    """For every node, the highest launch-order index of a wait it depends on (or -1); the
+    invariant mode's exponent waits, which its reduction needs at once, count as none.
 
     For foreach ops the value is per element in ``elements``: element ``i`` of the result
     depends only on element ``i`` of its list arguments.
@@ -146,7 +158,8 @@ def _buckets_needed(graph: fx.Graph) -> dict[fx.Node, int]:
             list_args[node] = _list_args(node)
             lists = {id(x) for j in list_args[node] for x in node.args[j]}
             inputs = [need[a] for a in node.all_input_nodes if id(a) not in lists]
-        need[node] = max([wait_index.get(node, NO_BUCKET), *inputs])
+        own = NO_BUCKET if _exact_sum(node) else wait_index.get(node, NO_BUCKET)
+        need[node] = max([own, *inputs])
     return need
 
 

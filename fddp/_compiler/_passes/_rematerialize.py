@@ -20,7 +20,7 @@ from fddp._base._annotations import FORWARD, REMAT_BLOCK, REMAT_NAME, REMAT_RECO
 from fddp._base._errors import UsageValueError
 from fddp._compiler._capture import _repeated
 from fddp._compiler._graph import Storage, is_collective, is_wait, mutated_inputs, storage
-from fddp._compiler._passes import _cost
+from fddp._compiler._passes import _cost, _generator_replay
 from fddp._func import _remat
 from fddp._func._remat import Policy
 from fddp._ranks import _machine
@@ -40,6 +40,9 @@ _BATCH_NORM = _aten.native_batch_norm.default
 _REGION_KEYS = (FORWARD, REMAT_REGION, REMAT_BLOCK)  # what a recomputed copy does not carry
 _SAVE_RNG = rng_prims.run_and_save_rng_state
 _REPLAY_RNG = rng_prims.run_with_rng_state
+# how a copy replays a random op, by the generator it draws from: its device's default
+# generator, or an explicit torch.Generator (a graph constant, passed to the replay)
+_REPLAYS = {_REPLAY_RNG: 1, _generator_replay.draw_with_state: 2}  # the op's argument index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,11 +386,16 @@ def _choose(
 
 
 def _rng_state_value(node: fx.Node) -> torch.Tensor:
-    """A fake tensor laid out as the generator state ``run_and_save_rng_state`` returns."""
+    """A fake tensor laid out as the generator state the random op ``node``'s save returns
+    (``run_and_save_rng_state``'s, or an explicit generator's ``get_state()``)."""
     val = node.meta["val"]
     first = val[0] if isinstance(val, (list, tuple)) else val
     device = first.device
-    if device.type == "cuda":
+    generator = _generator_replay.generator_argument(node)
+    if generator is not None:
+        numel = _generator_replay.generator_of(generator).get_state().numel()
+        device = torch.device("cpu")  # get_state() is a CPU tensor for every device
+    elif device.type == "cuda":
         numel = torch.cuda.get_rng_state(device).numel()
     else:
         numel = torch.get_rng_state().numel()
@@ -410,10 +418,10 @@ def _rewrite(
     with graph.inserting_before(anchor):
         for node in choice.recompute:
             if node in randoms:
-                state, op, args, kwargs = randoms[node]
+                replay, leading, args, kwargs = randoms[node]
                 args = fx.node.map_arg(args, lambda a: copies.get(a, a))
                 kwargs = fx.node.map_arg(kwargs, lambda a: copies.get(a, a))
-                copy = graph.call_function(_REPLAY_RNG, (state, op, *args), kwargs)
+                copy = graph.call_function(replay, (*leading, *args), kwargs)
             elif _statistics_only(node):
                 x, weight, bias, _, _, _, momentum, eps = fx.node.map_arg(
                     node.args, lambda a: copies.get(a, a)
@@ -433,21 +441,28 @@ def _rewrite(
     return copies
 
 
-def _save_rng_state(
-    graph: fx.Graph, node: fx.Node
-) -> tuple[fx.Node, torch._ops.OpOverload, tuple, dict]:
-    """Run the random op ``node`` through ``run_and_save_rng_state`` in the forward, ``node``
-    becoming the getitem of its result; the state node, the op and its arguments."""
+def _save_rng_state(graph: fx.Graph, node: fx.Node) -> tuple[Callable, tuple, tuple, dict]:
+    """Run the random op ``node`` through a save of the generator state it draws from in the
+    forward (``run_and_save_rng_state`` for its device's default generator,
+    ``draw_saving_state`` for an explicit one), ``node`` becoming the getitem of its result.
+    How to replay it: the replay, its leading arguments (the state node, the generator node,
+    the op), the op's arguments and keyword arguments."""
     op, args, kwargs = node.target, node.args, dict(node.kwargs)
     assert isinstance(op, torch._ops.OpOverload)
+    generator = _generator_replay.generator_argument(node)
+    lead: tuple[fx.Node, ...] = () if generator is None else (generator,)
+    save: Callable[..., Any] = _SAVE_RNG
+    replay: Callable[..., Any] = _REPLAY_RNG
+    if generator is not None:
+        save, replay = _generator_replay.draw_saving_state, _generator_replay.draw_with_state
     with graph.inserting_before(node):
-        both = graph.call_function(_SAVE_RNG, (op, *args), kwargs)
+        both = graph.call_function(save, (*lead, op, *args), kwargs)
         state = graph.call_function(operator.getitem, (both, 0))
     state_val = _rng_state_value(node)
     both.meta = {**node.meta, "val": (state_val, node.meta["val"])}
     state.meta = {**node.meta, "val": state_val}
     node.target, node.args, node.kwargs = operator.getitem, (both, 1), {}
-    return state, op, args, kwargs
+    return replay, (state, *lead, op), args, kwargs
 
 
 # ---- the pass ----
@@ -525,13 +540,13 @@ def _describe(
     for node in region.nodes:
         if _late_users(node, ends[node]):
             add(node, "kept")
-    states = {c.args[0] for c in copies.values() if c.target is _REPLAY_RNG}
+    states = {c.args[0] for c in copies.values() if c.target in _REPLAYS}
     for copy in copies.values():
         for a in copy.all_input_nodes:
             if a not in recomputed:
                 add(a, "kept" if a in members or a in states else "input")
     ops = tuple(
-        str(c.args[1]) if c.target is _REPLAY_RNG else str(c.target)
+        str(c.args[_REPLAYS[c.target]]) if c.target in _REPLAYS else str(c.target)
         for c in copies.values()
         if c.target is not operator.getitem
     )
