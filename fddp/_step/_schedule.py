@@ -6,7 +6,7 @@ import dataclasses
 
 from fddp._compiler._plan import Plan
 from fddp._compiler._program import Compiled
-from fddp._step._replica_guard import describe_source
+from fddp._step._program_facts import describe_source
 
 
 def plan_of(compiled: Compiled) -> Plan:
