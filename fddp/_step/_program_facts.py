@@ -79,21 +79,17 @@ class Facts:
         return self.sources, self.paths
 
 
+@dataclasses.dataclass
 class ProgramFacts:
-    """What one step object learns of its programs (``argnums``: its ``check_replicas``;
-    ``generator``: whether every random draw must agree, as under the invariant mode)."""
+    """What one step object (``name``) learns of its programs (``argnums``: its
+    ``check_replicas``; ``generator``: whether every random draw must agree, as under the
+    invariant mode)."""
 
-    def __init__(
-        self,
-        name: str,
-        group: dist.ProcessGroup | None,
-        argnums: tuple[int, ...],
-        *,
-        generator: bool = False,
-    ) -> None:
-        self._name, self._group, self._argnums = name, group, argnums
-        self._generator = generator
-        self._facts: dict[int, Facts] = {}  # by the id of the program
+    name: str
+    group: dist.ProcessGroup | None
+    argnums: tuple[int, ...]
+    generator: bool
+    _facts: dict[int, Facts] = dataclasses.field(default_factory=dict)  # by the program's id
 
     def of(self, compiled: Compiled) -> Facts:
         """What is known of ``compiled``; at first, under the invariant mode, that its random
@@ -102,7 +98,7 @@ class ProgramFacts:
         if facts is None or facts.ref() is not compiled:
             if len(self._facts) >= 64:
                 self._facts = {k: f for k, f in self._facts.items() if f.ref() is not None}
-            needed = {GENERATOR_SOURCE} if self._generator and draws(compiled, True) else set()
+            needed = {GENERATOR_SOURCE} if self.generator and draws(compiled, True) else set()
             facts = self._facts[id(compiled)] = Facts(weakref.ref(compiled), needed)
         return facts
 
@@ -120,9 +116,9 @@ class ProgramFacts:
         arguments must not differ, nor the generator where a random draw reaches an output that
         is otherwise the same on every rank. ``hashed``: digests the call already has (its
         :class:`Inputs`), not computed again."""
-        if _runtime.world_size(self._group) <= 1:
+        if _runtime.world_size(self.group) <= 1:
             return [False] * len(tensors), set()
-        extra = [generator_state(device)] if draws(compiled, self._generator) else []
+        extra = [generator_state(device)] if draws(compiled, self.generator) else []
         sources = [*tensors, *extra]
         hashed = hashed or {}
         rest = [i for i in range(len(sources)) if i not in hashed]
@@ -130,14 +126,14 @@ class ProgramFacts:
         if hashed:
             known[list(hashed)] = torch.stack(list(hashed.values()))
         known[rest] = _digests.digests([sources[i] for i in rest])
-        varying = _digests.varying(sources, self._group, known)
+        varying = _digests.varying(sources, self.group, known)
         generator_varies = bool(extra) and varying.pop()
-        layout = layout_of(args, self._argnums)
+        layout = layout_of(args, self.argnums)
         paths = layout.paths
         for i in layout.replicated:
             if varying[i]:
                 raise ReplicaMismatchError(
-                    f"arguments {list(self._argnums)} of {self._name} differ between "
+                    f"arguments {list(self.argnums)} of {self.name} differ between "
                     f"ranks: leaf {paths[i]} is not the same on every rank. Replicas must "
                     "start from the same values: create them from the same seed and model "
                     "code, or call fddp.replicate(tree) before training; check_replicas=False "
@@ -145,13 +141,13 @@ class ProgramFacts:
                 )
         if generator_varies and self._generator_matters(compiled, varying):
             bits = int(_digests.digests(extra)[0, 0]) & (2**64 - 1)
-            named = find_difference([(GENERATOR, f"digest {bits:016x}")], self._group)
+            named = find_difference([(GENERATOR, f"digest {bits:016x}")], self.group)
             raise ReplicaMismatchError(
-                f"{self._name}: {named}, and the step's results depend on its draws"
+                f"{self.name}: {named}, and the step's results depend on its draws"
                 + (
                     " (under the invariant mode, dropout is drawn from it: the results would "
                     "depend on the world size)"
-                    if self._generator
+                    if self.generator
                     else " where they must be the same on every rank"
                 )
                 + ". Seed every rank alike (torch.manual_seed(seed) before the first call, "
@@ -165,7 +161,7 @@ class ProgramFacts:
     def _generator_matters(self, compiled: Compiled, varying: list[bool]) -> bool:
         """Under the invariant mode, always; otherwise where a random draw reaches an output
         computed from nothing else that differs between ranks."""
-        if self._generator:
+        if self.generator:
             return True
         outputs = compiled.captured.outputs or []
         for j in range(len(outputs)):

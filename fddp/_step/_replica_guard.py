@@ -41,7 +41,7 @@ class ReplicaGuard:
         self._name, self._group, self._argnums = name, group, argnums
         self._generator = generator
         self._layouts: dict[Signature, Layout] = {}
-        self._programs = ProgramFacts(name, group, argnums, generator=generator)
+        self._programs = ProgramFacts(name, group, argnums, generator)
         self._outputs = CallOutputs()
         self._fed_back = FedBack(name, argnums)
         self._first_checked: set[int] = set()  # what a program's first run found the same
