@@ -10,17 +10,19 @@ import random
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import fx, nn
 from torch._C._dynamo.guards import GlobalStateGuard
 
+from fddp._compiler._capture._saved_state import SavedState
 from fddp._compiler._capture._snapshots import (
     GONE,
     MISSING,
     NoEvidence,
+    cell_value,
     immutable_or_code,
     library_frame,
     snapshot,
@@ -168,11 +170,9 @@ class Recorder:
         self.keep: list[Any] = []  # the owners read, alive while their ids key ``reads``
         self.writes: list[str] = []
         self.refused: str | None = None
-        self._met: dict[int, tuple[Any, Any, Any]] = {}  # id -> (object, snapshot, copy)
-        self._modules: dict[int, tuple[nn.Module, list[dict]]] = {}  # id -> module, its dicts
+        self.saved = SavedState(paths)  # what the writes replaced
         self._functions: dict[types.CodeType, list[types.FunctionType]] = {}
         self._made: set[types.CodeType] = set()  # code nested in code that ran here
-        self._undo: list[Callable[[], None]] = []
         self._busy = False
         self._instructions: dict[types.CodeType, dict[int, dis.Instruction]] = {}
 
@@ -192,8 +192,8 @@ class Recorder:
             self._busy = False
 
     def _module_read(self, module: nn.Module, name: str, value: Any, member: bool) -> None:
-        if self.trace_code and id(module) not in self._modules:
-            self._modules[id(module)] = (module, _module_dicts(module))
+        if self.trace_code:
+            self.saved.save_module(module)
         owner: Any = module
         if self.paths is not None and id(module) in self.paths:
             owner = _Path(self.paths[id(module)])
@@ -235,10 +235,8 @@ class Recorder:
             if not any(f is value for f in known):
                 known.append(value)
             return
-        if id(value) in self._met or not self.trace_code:
-            return
-        before = snapshot(value, self.paths, strict=False)
-        self._met[id(value)] = (value, before, _copy(value))
+        if self.trace_code:
+            self.saved.save(value)
 
     def absorb(self, reads: list[Read], block: nn.Module) -> None:
         """Record ``reads`` (a template's, relative to its block) as read from ``block``."""
@@ -323,10 +321,9 @@ class Recorder:
             return
         if write:
             self.writes.append(f"writes the closure variable {name} of {code.co_name}")
-            old = _cell_value(cell)
-            self._undo.append(lambda: _set_cell(cell, old))
+            self.saved.save_cell(cell)
             return
-        self._read(cell, "cell", name, _cell_value(cell), None)
+        self._read(cell, "cell", name, cell_value(cell), None)
 
     def _cell_of(self, frame: types.FrameType, name: str) -> types.CellType | None:
         """The cell behind ``frame``'s free variable ``name``: from the one function met with
@@ -338,7 +335,7 @@ class Recorder:
             for f in self._functions.get(code, ())
             if f.__closure__ is not None
             and all(
-                n not in values or _cell_value(c) is values[n]
+                n not in values or cell_value(c) is values[n]
                 for n, c in zip(code.co_freevars, f.__closure__)
             )
         ]
@@ -349,8 +346,7 @@ class Recorder:
     def _global_write(self, frame: types.FrameType, name: str) -> None:
         namespace = frame.f_globals
         self.writes.append(f"writes the global {name} of {namespace.get('__name__')}")
-        old = namespace.get(name, MISSING)
-        self._undo.append(lambda: _set_item(namespace, name, old))
+        self.saved.save_item(namespace, name)
 
     def _import(self, frame: types.FrameType, instruction: dis.Instruction, table: dict) -> None:
         offsets = sorted(o for o in table if o < instruction.offset)
@@ -361,34 +357,6 @@ class Recorder:
             return
         self._read(sys.modules, "global", name, sys.modules[name], None)
 
-    # -- afterwards --
-
-    def changed(self) -> list[str]:
-        """The objects and modules met whose contents differ now from when first met."""
-        found = []
-        for value, before, _ in self._met.values():
-            if snapshot(value, self.paths, strict=False) != before:
-                found.append(f"changes a {type(value).__qualname__}")
-        for module, dicts in self._modules.values():
-            if not _same_dicts(_module_dicts(module), dicts):
-                found.append(f"changes the attributes of a {type(module).__qualname__}")
-        return found
-
-    def undo(self) -> bool:
-        """Put back every write recorded and every object met as it was first met; whether
-        everything could be."""
-        complete = True
-        for value, _, saved in self._met.values():
-            complete &= _restore(value, saved)
-        for module, dicts in self._modules.values():
-            for now, saved in zip(_live_dicts(module), dicts):
-                now.clear()
-                now.update(saved)
-        for step in reversed(self._undo):
-            step()
-        self._undo.clear()
-        return complete
-
 
 @dataclasses.dataclass(frozen=True)
 class _Path:
@@ -397,88 +365,12 @@ class _Path:
     path: str
 
 
-_CLASS_FIXED = frozenset({"__dict__", "__weakref__", "__doc__", "__module__", "__qualname__"})
-
-
-def _live_dicts(module: nn.Module) -> list[dict]:
-    d = object.__getattribute__(module, "__dict__")
-    return [d, d["_parameters"], d["_buffers"], d["_modules"]]
-
-
-def _module_dicts(module: nn.Module) -> list[dict]:
-    """Copies of a module's attributes and its parameters, buffers and children."""
-    return [dict(d) for d in _live_dicts(module)]
-
-
-def _same_dicts(a: list[dict], b: list[dict]) -> bool:
-    return all(
-        x.keys() == y.keys() and all(x[k] is y[k] for k in x) for x, y in zip(a, b, strict=True)
-    )
-
-
 def _describe_owner(owner: Any) -> str:
     if isinstance(owner, _Path):
         return f"self.{owner.path}" if owner.path else "self"
     if isinstance(owner, dict):
         return str(owner.get("__name__", "a namespace"))
     return type(owner).__qualname__
-
-
-def _cell_value(cell: types.CellType) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:
-        return MISSING
-
-
-def _set_cell(cell: types.CellType, value: Any) -> None:
-    if value is MISSING:
-        del cell.cell_contents
-    else:
-        cell.cell_contents = value
-
-
-def _set_item(namespace: dict, name: str, value: Any) -> None:
-    if value is MISSING:
-        namespace.pop(name, None)
-    else:
-        namespace[name] = value
-
-
-def _copy(value: Any) -> Any:
-    """What :func:`_restore` needs to put ``value``'s contents back."""
-    if isinstance(value, random.Random):
-        return value.getstate()
-    if isinstance(value, (list, set)):
-        return list(value)
-    if isinstance(value, dict):
-        return list(value.items())
-    state = getattr(value, "__dict__", None)
-    if isinstance(value, type):
-        return dict(vars(value))
-    return dict(state) if isinstance(state, dict) else None
-
-
-def _restore(value: Any, saved: Any) -> bool:
-    if isinstance(value, type):
-        for name in set(vars(value)) - set(saved):
-            delattr(value, name)
-        for name, item in saved.items():
-            if vars(value).get(name, MISSING) is not item and name not in _CLASS_FIXED:
-                setattr(value, name, item)
-    elif isinstance(value, random.Random):
-        value.setstate(saved)
-    elif isinstance(value, list):
-        value[:] = saved
-    elif isinstance(value, (set, dict)):
-        value.clear()
-        value.update(saved)
-    elif isinstance(saved, dict):
-        vars(value).clear()
-        vars(value).update(saved)
-    else:
-        return False
-    return True
 
 
 # ---- the wrapped attribute lookup of modules ----
@@ -528,7 +420,7 @@ def recording(recorder: Recorder) -> Iterator[Recorder]:
         recorder.refused = "runs under another trace function"
     outer = _LOCAL.recorder
     _LOCAL.recorder = recorder
-    recorder._modules.clear()  # parameters swapped in for this run differ from the last's
+    recorder.saved.forget_modules()
     torch_state = GlobalStateGuard()
     python_random = random.getstate()
     tracing = recorder.trace_code and recorder.refused is None
@@ -552,10 +444,10 @@ def _check_writes(recorder: Recorder, torch_state: GlobalStateGuard, python_rand
         recorder.writes.append(f"changes torch's {torch_state.reason().strip()}")
     if random.getstate() != python_random:
         recorder.writes.append("draws from Python's random generator")
-        recorder._undo.append(lambda: random.setstate(python_random))
-    recorder.writes += recorder.changed()
+        recorder.saved.on_restore(lambda: random.setstate(python_random))
+    recorder.writes += recorder.saved.changed()
     if recorder.writes:
-        recorder.undo()
+        recorder.saved.restore()
 
 
 def paused() -> contextlib.AbstractContextManager[Any]:

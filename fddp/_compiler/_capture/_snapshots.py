@@ -258,3 +258,11 @@ def immutable_or_code(value: Any) -> bool:
         return _is_library(value)  # a user's class or module: its attributes too
     kinds = (*_SCALARS, types.FunctionType, *_BY_IDENTITY, torch.Tensor, nn.Module)
     return isinstance(value, kinds) or value is MISSING
+
+
+def cell_value(cell: types.CellType) -> Any:
+    """A closure cell's contents (``MISSING`` while not yet filled)."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return MISSING
