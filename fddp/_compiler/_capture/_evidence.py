@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import dis
 import inspect
 import random
 import sys
@@ -17,37 +16,16 @@ import torch
 from torch import fx, nn
 from torch._C._dynamo.guards import GlobalStateGuard
 
+from fddp._compiler._capture._opcode_trace import OpcodeTrace
 from fddp._compiler._capture._saved_state import SavedState
 from fddp._compiler._capture._snapshots import (
     GONE,
     MISSING,
     NoEvidence,
-    cell_value,
     immutable_or_code,
-    library_frame,
     snapshot,
 )
 
-_OPAQUE_BUILTINS = frozenset(
-    {
-        "globals",
-        "locals",
-        "vars",
-        "eval",
-        "exec",
-        "compile",
-        "__import__",
-        "breakpoint",
-        "input",
-        "open",
-        "print",
-        "id",
-        "hash",
-        "repr",
-        "setattr",
-        "delattr",
-    }
-)
 # reads of a module's own machinery (its member dicts, read through ``__getattr__`` as members)
 _MODULE_INTERNALS = frozenset({"__dict__", "__class__", "_parameters", "_buffers", "_modules"})
 
@@ -154,10 +132,11 @@ class Recorder:
 
     Attribute reads of modules are seen everywhere (``nn.Module``'s attribute lookup is wrapped
     for the duration). With ``trace_code`` the thread's Python outside torch, fddp and the
-    standard library is also followed opcode by opcode: the globals and closure variables it
-    loads, the imports it makes, the builtins it calls that read what no record sees, and its
-    writes to globals and closure variables. Every container, plain object, user class or
-    module, and generator met is compared again afterwards: a difference is a write.
+    standard library is also followed opcode by opcode (:class:`OpcodeTrace`): the globals and
+    closure variables it loads, the imports it makes, the builtins it calls that read what no
+    record sees, and its writes to globals and closure variables. Every container, plain object,
+    user class or module, and generator met is compared again afterwards (:class:`SavedState`):
+    a difference is a write.
 
     ``paths`` (id of each module of a block -> its path) makes the reads of those modules
     relative to the block, so they can be read again from another block of the same structure.
@@ -171,10 +150,10 @@ class Recorder:
         self.writes: list[str] = []
         self.refused: str | None = None
         self.saved = SavedState(paths)  # what the writes replaced
-        self._functions: dict[types.CodeType, list[types.FunctionType]] = {}
-        self._made: set[types.CodeType] = set()  # code nested in code that ran here
-        self._busy = False
-        self._instructions: dict[types.CodeType, dict[int, dis.Instruction]] = {}
+        # the functions met, by code: where the opcode trace finds a closure variable's cell
+        self.functions: dict[types.CodeType, list[types.FunctionType]] = {}
+        self.busy = False  # noting a read: the code that runs now is the recorder's own
+        self.code_trace = OpcodeTrace(self)  # with ``trace_code``, the thread's trace function
 
     # -- what the wrapped attribute lookup and the opcode trace report --
 
@@ -185,11 +164,11 @@ class Recorder:
             or isinstance(module, fx.GraphModule)
         ):
             return  # a graph module is the capture's own
-        self._busy = True
+        self.busy = True
         try:
             self._module_read(module, name, value, member)
         finally:
-            self._busy = False
+            self.busy = False
 
     def _module_read(self, module: nn.Module, name: str, value: Any, member: bool) -> None:
         if self.trace_code:
@@ -207,10 +186,10 @@ class Recorder:
                 value = attribute
         if kind == "instance" and getattr(value, "_fddp_installed", False):
             return  # a replaying forward fddp put on the block: not the block's own
-        self._read(owner, kind, name, value, type(module) if kind == "class" else None)
+        self.read(owner, kind, name, value, type(module) if kind == "class" else None)
 
-    def _read(self, owner: Any, kind: str, name: str, value: Any, owner_type: type | None) -> None:
-        """Note a read (the caller holds ``_busy``: a snapshot runs no recorded code)."""
+    def read(self, owner: Any, kind: str, name: str, value: Any, owner_type: type | None) -> None:
+        """Note a read (the caller holds ``busy``: a snapshot runs no recorded code)."""
         key = (id(owner) if not isinstance(owner, _Path) else hash(owner), kind, name)
         if key in self.reads:
             return
@@ -231,7 +210,7 @@ class Recorder:
     def _meet(self, value: Any) -> None:
         """A function (kept for its closure cells) or a mutable object (compared afterwards)."""
         if isinstance(value, types.FunctionType):
-            known = self._functions.setdefault(value.__code__, [])
+            known = self.functions.setdefault(value.__code__, [])
             if not any(f is value for f in known):
                 known.append(value)
             return
@@ -240,7 +219,7 @@ class Recorder:
 
     def absorb(self, reads: list[Read], block: nn.Module) -> None:
         """Record ``reads`` (a template's, relative to its block) as read from ``block``."""
-        self._busy = True
+        self.busy = True
         try:
             for read in reads:
                 owner = resolve(read.owner, block)
@@ -248,114 +227,9 @@ class Recorder:
                     value = raw_read(owner, read.kind, read.name, read.owner_type)
                 except Gone:
                     value = MISSING
-                self._read(owner, read.kind, read.name, value, read.owner_type)
+                self.read(owner, read.kind, read.name, value, read.owner_type)
         finally:
-            self._busy = False
-
-    # -- the opcode trace --
-
-    def _trace(self, frame: types.FrameType, event: str, arg: Any) -> Any:
-        if event != "call" or self._busy or self.refused is not None:
-            return None
-        code = frame.f_code
-        if library_frame(frame):
-            return None
-        self._made.update(c for c in code.co_consts if isinstance(c, types.CodeType))
-        frame.f_trace_opcodes = True
-        frame.f_trace_lines = False
-        return self._opcode
-
-    def _opcode(self, frame: types.FrameType, event: str, arg: Any) -> Any:
-        if event != "opcode" or self.refused is not None:
-            return self._opcode
-        code = frame.f_code
-        table = self._instructions.get(code)
-        if table is None:
-            table = self._instructions[code] = {i.offset: i for i in dis.get_instructions(code)}
-        instruction = table.get(frame.f_lasti)
-        if instruction is None:
-            return self._opcode
-        op, name = instruction.opname, instruction.argval
-        self._busy = True
-        try:
-            self._handle(frame, op, name, instruction, table)
-        finally:
-            self._busy = False
-        return self._opcode
-
-    def _handle(
-        self, frame: types.FrameType, op: str, name: Any, instruction: dis.Instruction, table: dict
-    ) -> None:
-        code = frame.f_code
-        if op == "LOAD_GLOBAL":
-            self._global(frame, name)
-        elif op in ("LOAD_DEREF", "LOAD_CLASSDEREF") and name in code.co_freevars:
-            self._cell(frame, name, write=False)
-        elif op in ("STORE_DEREF", "DELETE_DEREF") and name in code.co_freevars:
-            self._cell(frame, name, write=True)
-        elif op in ("STORE_GLOBAL", "DELETE_GLOBAL"):
-            self._global_write(frame, name)
-        elif op == "IMPORT_NAME":
-            self._import(frame, instruction, table)
-        elif op == "LOAD_NAME":
-            self.refused = f"runs code that looks up {name} by name (a class body, exec)"
-
-    def _global(self, frame: types.FrameType, name: str) -> None:
-        namespace = frame.f_globals
-        if name not in namespace:
-            self._read(namespace, "global", name, MISSING, None)
-            namespace = frame.f_builtins
-        value = namespace.get(name, MISSING)
-        if namespace is frame.f_builtins and name in _OPAQUE_BUILTINS:
-            self.refused = f"calls {name}()"
-            return
-        self._read(namespace, "global", name, value, None)
-
-    def _cell(self, frame: types.FrameType, name: str, *, write: bool) -> None:
-        code = frame.f_code
-        if code in self._made:
-            return  # a closure made while recording: its cells are the recording's own
-        cell = self._cell_of(frame, name)
-        if cell is None:
-            self.refused = f"reads the closure variable {name} of a function it cannot find"
-            return
-        if write:
-            self.writes.append(f"writes the closure variable {name} of {code.co_name}")
-            self.saved.save_cell(cell)
-            return
-        self._read(cell, "cell", name, cell_value(cell), None)
-
-    def _cell_of(self, frame: types.FrameType, name: str) -> types.CellType | None:
-        """The cell behind ``frame``'s free variable ``name``: from the one function met with
-        this code whose closure holds what the frame holds."""
-        code = frame.f_code
-        values = frame.f_locals
-        found = [
-            f
-            for f in self._functions.get(code, ())
-            if f.__closure__ is not None
-            and all(
-                n not in values or cell_value(c) is values[n]
-                for n, c in zip(code.co_freevars, f.__closure__)
-            )
-        ]
-        if len(found) != 1:
-            return None
-        return dict(zip(code.co_freevars, found[0].__closure__ or ()))[name]
-
-    def _global_write(self, frame: types.FrameType, name: str) -> None:
-        namespace = frame.f_globals
-        self.writes.append(f"writes the global {name} of {namespace.get('__name__')}")
-        self.saved.save_item(namespace, name)
-
-    def _import(self, frame: types.FrameType, instruction: dis.Instruction, table: dict) -> None:
-        offsets = sorted(o for o in table if o < instruction.offset)
-        level = table[offsets[-2]].argval if len(offsets) >= 2 else None
-        name = instruction.argval
-        if level != 0 or name not in sys.modules:
-            self.refused = f"imports {name}"
-            return
-        self._read(sys.modules, "global", name, sys.modules[name], None)
+            self.busy = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,7 +252,7 @@ def _describe_owner(owner: Any) -> str:
 
 def _recorded_getattribute(self: nn.Module, name: str) -> Any:
     recorder = _LOCAL.recorder
-    if recorder is None or recorder._busy:
+    if recorder is None or recorder.busy:
         return object.__getattribute__(self, name)
     try:
         value = object.__getattribute__(self, name)
@@ -427,7 +301,7 @@ def recording(recorder: Recorder) -> Iterator[Recorder]:
     try:
         with _module_reads_wrapped():
             if tracing:
-                sys.settrace(recorder._trace)
+                sys.settrace(recorder.code_trace.on_call)
             try:
                 yield recorder
             finally:

@@ -25,8 +25,6 @@ MISSING = object()  # a name a namespace lacks, a cell not yet filled
 GONE = ("gone",)  # its snapshot
 _STDLIB = os.path.dirname(os.path.abspath(contextlib.__file__)) + os.sep
 _SITE = ("site-packages", "dist-packages")
-# builtins whose result depends on what no read records (a namespace, an object's identity,
-# a file) or which act once instead of per call (print, input)
 
 _SCALARS = (
     int,
