@@ -19,11 +19,7 @@ def plan_of(compiled: Compiled) -> Plan:
     if varying is None:
         return plan
     replication = tuple(
-        (
-            path,
-            f"per-rank (from {describe_source(varying[j][1])})" if j in varying else "replicated",
-        )
-        for j, path in enumerate(compiled.output_paths())
+        (path, _replication(varying, j)) for j, path in enumerate(compiled.output_paths())
     )
     return dataclasses.replace(plan, replication=replication)
 
