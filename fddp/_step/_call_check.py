@@ -21,7 +21,7 @@ from fddp._ranks._agree import (
     gather_lines,
 )
 from fddp._ranks._signature import Signature, leaf_paths
-from fddp._step._replica_guard import GENERATOR, NEW, VALUE, Inputs
+from fddp._step._call_inputs import GENERATOR, NEW, VALUE, Inputs
 
 _LINES_KEPT = 64  # signatures whose lines are kept for the next calls
 _CALL = "the call"  # the line that counts this step's calls on this rank

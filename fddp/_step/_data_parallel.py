@@ -28,9 +28,10 @@ from fddp._ranks import _pending, _runtime, _timeline
 from fddp._ranks._signature import Signature
 from fddp._step import _step_lock
 from fddp._step._call_check import READ_AS_TRACED, CallCheck
+from fddp._step._call_inputs import tensor_indices_of_arg
 from fddp._step._modes import KnownModels
 from fddp._step._options import StepOptions, argnums, backend, replicated
-from fddp._step._replica_guard import ReplicaGuard, tensor_indices_of_arg
+from fddp._step._replica_guard import ReplicaGuard
 from fddp._step._schedule import plan_of
 
 

@@ -6,7 +6,7 @@ import dataclasses
 
 from fddp._compiler._plan import Plan
 from fddp._compiler._program import Compiled
-from fddp._step._replica_guard import describe_source
+from fddp._step._program_facts import describe_source
 
 
 def plan_of(compiled: Compiled) -> Plan:
@@ -19,11 +19,7 @@ def plan_of(compiled: Compiled) -> Plan:
     if varying is None:
         return plan
     replication = tuple(
-        (
-            path,
-            f"per-rank (from {describe_source(varying[j][1])})" if j in varying else "replicated",
-        )
-        for j, path in enumerate(compiled.output_paths())
+        (path, _replication(varying, j)) for j, path in enumerate(compiled.output_paths())
     )
     return dataclasses.replace(plan, replication=replication)
 

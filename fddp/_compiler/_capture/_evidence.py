@@ -4,48 +4,28 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import dis
 import inspect
 import random
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import fx, nn
 from torch._C._dynamo.guards import GlobalStateGuard
 
+from fddp._compiler._capture._opcode_trace import OpcodeTrace
+from fddp._compiler._capture._saved_state import SavedState
 from fddp._compiler._capture._snapshots import (
     GONE,
     MISSING,
     NoEvidence,
     immutable_or_code,
-    library_frame,
     snapshot,
 )
 
-_OPAQUE_BUILTINS = frozenset(
-    {
-        "globals",
-        "locals",
-        "vars",
-        "eval",
-        "exec",
-        "compile",
-        "__import__",
-        "breakpoint",
-        "input",
-        "open",
-        "print",
-        "id",
-        "hash",
-        "repr",
-        "setattr",
-        "delattr",
-    }
-)
 # reads of a module's own machinery (its member dicts, read through ``__getattr__`` as members)
 _MODULE_INTERNALS = frozenset({"__dict__", "__class__", "_parameters", "_buffers", "_modules"})
 
@@ -152,10 +132,11 @@ class Recorder:
 
     Attribute reads of modules are seen everywhere (``nn.Module``'s attribute lookup is wrapped
     for the duration). With ``trace_code`` the thread's Python outside torch, fddp and the
-    standard library is also followed opcode by opcode: the globals and closure variables it
-    loads, the imports it makes, the builtins it calls that read what no record sees, and its
-    writes to globals and closure variables. Every container, plain object, user class or
-    module, and generator met is compared again afterwards: a difference is a write.
+    standard library is also followed opcode by opcode (:class:`OpcodeTrace`): the globals and
+    closure variables it loads, the imports it makes, the builtins it calls that read what no
+    record sees, and its writes to globals and closure variables. Every container, plain object,
+    user class or module, and generator met is compared again afterwards (:class:`SavedState`):
+    a difference is a write.
 
     ``paths`` (id of each module of a block -> its path) makes the reads of those modules
     relative to the block, so they can be read again from another block of the same structure.
@@ -168,13 +149,11 @@ class Recorder:
         self.keep: list[Any] = []  # the owners read, alive while their ids key ``reads``
         self.writes: list[str] = []
         self.refused: str | None = None
-        self._met: dict[int, tuple[Any, Any, Any]] = {}  # id -> (object, snapshot, copy)
-        self._modules: dict[int, tuple[nn.Module, list[dict]]] = {}  # id -> module, its dicts
-        self._functions: dict[types.CodeType, list[types.FunctionType]] = {}
-        self._made: set[types.CodeType] = set()  # code nested in code that ran here
-        self._undo: list[Callable[[], None]] = []
-        self._busy = False
-        self._instructions: dict[types.CodeType, dict[int, dis.Instruction]] = {}
+        self.saved = SavedState(paths)  # what the writes replaced
+        # the functions met, by code: where the opcode trace finds a closure variable's cell
+        self.functions: dict[types.CodeType, list[types.FunctionType]] = {}
+        self.busy = False  # noting a read: the code that runs now is the recorder's own
+        self.code_trace = OpcodeTrace(self)  # with ``trace_code``, the thread's trace function
 
     # -- what the wrapped attribute lookup and the opcode trace report --
 
@@ -185,15 +164,15 @@ class Recorder:
             or isinstance(module, fx.GraphModule)
         ):
             return  # a graph module is the capture's own
-        self._busy = True
+        self.busy = True
         try:
             self._module_read(module, name, value, member)
         finally:
-            self._busy = False
+            self.busy = False
 
     def _module_read(self, module: nn.Module, name: str, value: Any, member: bool) -> None:
-        if self.trace_code and id(module) not in self._modules:
-            self._modules[id(module)] = (module, _module_dicts(module))
+        if self.trace_code:
+            self.saved.save_module(module)
         owner: Any = module
         if self.paths is not None and id(module) in self.paths:
             owner = _Path(self.paths[id(module)])
@@ -207,10 +186,10 @@ class Recorder:
                 value = attribute
         if kind == "instance" and getattr(value, "_fddp_installed", False):
             return  # a replaying forward fddp put on the block: not the block's own
-        self._read(owner, kind, name, value, type(module) if kind == "class" else None)
+        self.read(owner, kind, name, value, type(module) if kind == "class" else None)
 
-    def _read(self, owner: Any, kind: str, name: str, value: Any, owner_type: type | None) -> None:
-        """Note a read (the caller holds ``_busy``: a snapshot runs no recorded code)."""
+    def read(self, owner: Any, kind: str, name: str, value: Any, owner_type: type | None) -> None:
+        """Note a read (the caller holds ``busy``: a snapshot runs no recorded code)."""
         key = (id(owner) if not isinstance(owner, _Path) else hash(owner), kind, name)
         if key in self.reads:
             return
@@ -231,18 +210,16 @@ class Recorder:
     def _meet(self, value: Any) -> None:
         """A function (kept for its closure cells) or a mutable object (compared afterwards)."""
         if isinstance(value, types.FunctionType):
-            known = self._functions.setdefault(value.__code__, [])
+            known = self.functions.setdefault(value.__code__, [])
             if not any(f is value for f in known):
                 known.append(value)
             return
-        if id(value) in self._met or not self.trace_code:
-            return
-        before = snapshot(value, self.paths, strict=False)
-        self._met[id(value)] = (value, before, _copy(value))
+        if self.trace_code:
+            self.saved.save(value)
 
     def absorb(self, reads: list[Read], block: nn.Module) -> None:
         """Record ``reads`` (a template's, relative to its block) as read from ``block``."""
-        self._busy = True
+        self.busy = True
         try:
             for read in reads:
                 owner = resolve(read.owner, block)
@@ -250,144 +227,9 @@ class Recorder:
                     value = raw_read(owner, read.kind, read.name, read.owner_type)
                 except Gone:
                     value = MISSING
-                self._read(owner, read.kind, read.name, value, read.owner_type)
+                self.read(owner, read.kind, read.name, value, read.owner_type)
         finally:
-            self._busy = False
-
-    # -- the opcode trace --
-
-    def _trace(self, frame: types.FrameType, event: str, arg: Any) -> Any:
-        if event != "call" or self._busy or self.refused is not None:
-            return None
-        code = frame.f_code
-        if library_frame(frame):
-            return None
-        self._made.update(c for c in code.co_consts if isinstance(c, types.CodeType))
-        frame.f_trace_opcodes = True
-        frame.f_trace_lines = False
-        return self._opcode
-
-    def _opcode(self, frame: types.FrameType, event: str, arg: Any) -> Any:
-        if event != "opcode" or self.refused is not None:
-            return self._opcode
-        code = frame.f_code
-        table = self._instructions.get(code)
-        if table is None:
-            table = self._instructions[code] = {i.offset: i for i in dis.get_instructions(code)}
-        instruction = table.get(frame.f_lasti)
-        if instruction is None:
-            return self._opcode
-        op, name = instruction.opname, instruction.argval
-        self._busy = True
-        try:
-            self._handle(frame, op, name, instruction, table)
-        finally:
-            self._busy = False
-        return self._opcode
-
-    def _handle(
-        self, frame: types.FrameType, op: str, name: Any, instruction: dis.Instruction, table: dict
-    ) -> None:
-        code = frame.f_code
-        if op == "LOAD_GLOBAL":
-            self._global(frame, name)
-        elif op in ("LOAD_DEREF", "LOAD_CLASSDEREF") and name in code.co_freevars:
-            self._cell(frame, name, write=False)
-        elif op in ("STORE_DEREF", "DELETE_DEREF") and name in code.co_freevars:
-            self._cell(frame, name, write=True)
-        elif op in ("STORE_GLOBAL", "DELETE_GLOBAL"):
-            self._global_write(frame, name)
-        elif op == "IMPORT_NAME":
-            self._import(frame, instruction, table)
-        elif op == "LOAD_NAME":
-            self.refused = f"runs code that looks up {name} by name (a class body, exec)"
-
-    def _global(self, frame: types.FrameType, name: str) -> None:
-        namespace = frame.f_globals
-        if name not in namespace:
-            self._read(namespace, "global", name, MISSING, None)
-            namespace = frame.f_builtins
-        value = namespace.get(name, MISSING)
-        if namespace is frame.f_builtins and name in _OPAQUE_BUILTINS:
-            self.refused = f"calls {name}()"
-            return
-        self._read(namespace, "global", name, value, None)
-
-    def _cell(self, frame: types.FrameType, name: str, *, write: bool) -> None:
-        code = frame.f_code
-        if code in self._made:
-            return  # a closure made while recording: its cells are the recording's own
-        cell = self._cell_of(frame, name)
-        if cell is None:
-            self.refused = f"reads the closure variable {name} of a function it cannot find"
-            return
-        if write:
-            self.writes.append(f"writes the closure variable {name} of {code.co_name}")
-            old = _cell_value(cell)
-            self._undo.append(lambda: _set_cell(cell, old))
-            return
-        self._read(cell, "cell", name, _cell_value(cell), None)
-
-    def _cell_of(self, frame: types.FrameType, name: str) -> types.CellType | None:
-        """The cell behind ``frame``'s free variable ``name``: from the one function met with
-        this code whose closure holds what the frame holds."""
-        code = frame.f_code
-        values = frame.f_locals
-        found = [
-            f
-            for f in self._functions.get(code, ())
-            if f.__closure__ is not None
-            and all(
-                n not in values or _cell_value(c) is values[n]
-                for n, c in zip(code.co_freevars, f.__closure__)
-            )
-        ]
-        if len(found) != 1:
-            return None
-        return dict(zip(code.co_freevars, found[0].__closure__ or ()))[name]
-
-    def _global_write(self, frame: types.FrameType, name: str) -> None:
-        namespace = frame.f_globals
-        self.writes.append(f"writes the global {name} of {namespace.get('__name__')}")
-        old = namespace.get(name, MISSING)
-        self._undo.append(lambda: _set_item(namespace, name, old))
-
-    def _import(self, frame: types.FrameType, instruction: dis.Instruction, table: dict) -> None:
-        offsets = sorted(o for o in table if o < instruction.offset)
-        level = table[offsets[-2]].argval if len(offsets) >= 2 else None
-        name = instruction.argval
-        if level != 0 or name not in sys.modules:
-            self.refused = f"imports {name}"
-            return
-        self._read(sys.modules, "global", name, sys.modules[name], None)
-
-    # -- afterwards --
-
-    def changed(self) -> list[str]:
-        """The objects and modules met whose contents differ now from when first met."""
-        found = []
-        for value, before, _ in self._met.values():
-            if snapshot(value, self.paths, strict=False) != before:
-                found.append(f"changes a {type(value).__qualname__}")
-        for module, dicts in self._modules.values():
-            if not _same_dicts(_module_dicts(module), dicts):
-                found.append(f"changes the attributes of a {type(module).__qualname__}")
-        return found
-
-    def undo(self) -> bool:
-        """Put back every write recorded and every object met as it was first met; whether
-        everything could be."""
-        complete = True
-        for value, _, saved in self._met.values():
-            complete &= _restore(value, saved)
-        for module, dicts in self._modules.values():
-            for now, saved in zip(_live_dicts(module), dicts):
-                now.clear()
-                now.update(saved)
-        for step in reversed(self._undo):
-            step()
-        self._undo.clear()
-        return complete
+            self.busy = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,25 +237,6 @@ class _Path:
     """A module's place in the block a relative read is made from."""
 
     path: str
-
-
-_CLASS_FIXED = frozenset({"__dict__", "__weakref__", "__doc__", "__module__", "__qualname__"})
-
-
-def _live_dicts(module: nn.Module) -> list[dict]:
-    d = object.__getattribute__(module, "__dict__")
-    return [d, d["_parameters"], d["_buffers"], d["_modules"]]
-
-
-def _module_dicts(module: nn.Module) -> list[dict]:
-    """Copies of a module's attributes and its parameters, buffers and children."""
-    return [dict(d) for d in _live_dicts(module)]
-
-
-def _same_dicts(a: list[dict], b: list[dict]) -> bool:
-    return all(
-        x.keys() == y.keys() and all(x[k] is y[k] for k in x) for x, y in zip(a, b, strict=True)
-    )
 
 
 def _describe_owner(owner: Any) -> str:
@@ -424,69 +247,12 @@ def _describe_owner(owner: Any) -> str:
     return type(owner).__qualname__
 
 
-def _cell_value(cell: types.CellType) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:
-        return MISSING
-
-
-def _set_cell(cell: types.CellType, value: Any) -> None:
-    if value is MISSING:
-        del cell.cell_contents
-    else:
-        cell.cell_contents = value
-
-
-def _set_item(namespace: dict, name: str, value: Any) -> None:
-    if value is MISSING:
-        namespace.pop(name, None)
-    else:
-        namespace[name] = value
-
-
-def _copy(value: Any) -> Any:
-    """What :func:`_restore` needs to put ``value``'s contents back."""
-    if isinstance(value, random.Random):
-        return value.getstate()
-    if isinstance(value, (list, set)):
-        return list(value)
-    if isinstance(value, dict):
-        return list(value.items())
-    state = getattr(value, "__dict__", None)
-    if isinstance(value, type):
-        return dict(vars(value))
-    return dict(state) if isinstance(state, dict) else None
-
-
-def _restore(value: Any, saved: Any) -> bool:
-    if isinstance(value, type):
-        for name in set(vars(value)) - set(saved):
-            delattr(value, name)
-        for name, item in saved.items():
-            if vars(value).get(name, MISSING) is not item and name not in _CLASS_FIXED:
-                setattr(value, name, item)
-    elif isinstance(value, random.Random):
-        value.setstate(saved)
-    elif isinstance(value, list):
-        value[:] = saved
-    elif isinstance(value, (set, dict)):
-        value.clear()
-        value.update(saved)
-    elif isinstance(saved, dict):
-        vars(value).clear()
-        vars(value).update(saved)
-    else:
-        return False
-    return True
-
-
 # ---- the wrapped attribute lookup of modules ----
 
 
 def _recorded_getattribute(self: nn.Module, name: str) -> Any:
     recorder = _LOCAL.recorder
-    if recorder is None or recorder._busy:
+    if recorder is None or recorder.busy:
         return object.__getattribute__(self, name)
     try:
         value = object.__getattribute__(self, name)
@@ -528,14 +294,14 @@ def recording(recorder: Recorder) -> Iterator[Recorder]:
         recorder.refused = "runs under another trace function"
     outer = _LOCAL.recorder
     _LOCAL.recorder = recorder
-    recorder._modules.clear()  # parameters swapped in for this run differ from the last's
+    recorder.saved.forget_modules()
     torch_state = GlobalStateGuard()
     python_random = random.getstate()
     tracing = recorder.trace_code and recorder.refused is None
     try:
         with _module_reads_wrapped():
             if tracing:
-                sys.settrace(recorder._trace)
+                sys.settrace(recorder.code_trace.on_call)
             try:
                 yield recorder
             finally:
@@ -552,10 +318,10 @@ def _check_writes(recorder: Recorder, torch_state: GlobalStateGuard, python_rand
         recorder.writes.append(f"changes torch's {torch_state.reason().strip()}")
     if random.getstate() != python_random:
         recorder.writes.append("draws from Python's random generator")
-        recorder._undo.append(lambda: random.setstate(python_random))
-    recorder.writes += recorder.changed()
+        recorder.saved.on_restore(lambda: random.setstate(python_random))
+    recorder.writes += recorder.saved.changed()
     if recorder.writes:
-        recorder.undo()
+        recorder.saved.restore()
 
 
 def paused() -> contextlib.AbstractContextManager[Any]:

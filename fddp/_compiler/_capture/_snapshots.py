@@ -25,8 +25,6 @@ MISSING = object()  # a name a namespace lacks, a cell not yet filled
 GONE = ("gone",)  # its snapshot
 _STDLIB = os.path.dirname(os.path.abspath(contextlib.__file__)) + os.sep
 _SITE = ("site-packages", "dist-packages")
-# builtins whose result depends on what no read records (a namespace, an object's identity,
-# a file) or which act once instead of per call (print, input)
 
 _SCALARS = (
     int,
@@ -258,3 +256,11 @@ def immutable_or_code(value: Any) -> bool:
         return _is_library(value)  # a user's class or module: its attributes too
     kinds = (*_SCALARS, types.FunctionType, *_BY_IDENTITY, torch.Tensor, nn.Module)
     return isinstance(value, kinds) or value is MISSING
+
+
+def cell_value(cell: types.CellType) -> Any:
+    """A closure cell's contents (``MISSING`` while not yet filled)."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return MISSING

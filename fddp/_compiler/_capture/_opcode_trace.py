@@ -1,0 +1,166 @@
+"""The opcode trace of recorded Python: the globals, closure cells and modules it reads, and
+its writes to them."""
+
+from __future__ import annotations
+
+import dis
+import sys
+import types
+from typing import Any, Protocol
+
+from fddp._compiler._capture._saved_state import SavedState
+from fddp._compiler._capture._snapshots import MISSING, cell_value, library_frame
+
+# builtins whose result depends on what no read records (a namespace, an object's identity,
+# a file) or which act once instead of per call (print, input)
+_OPAQUE_BUILTINS = frozenset(
+    {
+        "globals",
+        "locals",
+        "vars",
+        "eval",
+        "exec",
+        "compile",
+        "__import__",
+        "breakpoint",
+        "input",
+        "open",
+        "print",
+        "id",
+        "hash",
+        "repr",
+        "setattr",
+        "delattr",
+    }
+)
+
+
+class Record(Protocol):
+    """Where the trace notes what it sees (an ``_evidence.Recorder``)."""
+
+    refused: str | None  # why what ran is no evidence
+    busy: bool  # the record is at work: the code running now is its own
+    writes: list[str]
+    saved: SavedState
+    functions: dict[types.CodeType, list[types.FunctionType]]  # the functions met, by code
+
+    def read(
+        self, owner: Any, kind: str, name: str, value: Any, owner_type: type | None
+    ) -> None: ...
+
+
+class OpcodeTrace:
+    """Follows each frame outside torch, fddp and the standard library opcode by opcode
+    (:meth:`on_call` is the ``sys.settrace`` function) and notes in ``record`` the globals and
+    closure variables the frame loads, the modules it imports, the builtins it calls that read
+    what no record sees, and its writes to globals and closure variables (saved to be put back).
+    """
+
+    def __init__(self, record: Record) -> None:
+        self.record = record
+        self._made: set[types.CodeType] = set()  # code nested in code that ran here
+        self._instructions: dict[types.CodeType, dict[int, dis.Instruction]] = {}
+
+    def on_call(self, frame: types.FrameType, event: str, arg: Any) -> Any:
+        if event != "call" or self.record.busy or self.record.refused is not None:
+            return None
+        code = frame.f_code
+        if library_frame(frame):
+            return None
+        self._made.update(c for c in code.co_consts if isinstance(c, types.CodeType))
+        frame.f_trace_opcodes = True
+        frame.f_trace_lines = False
+        return self._on_opcode
+
+    def _on_opcode(self, frame: types.FrameType, event: str, arg: Any) -> Any:
+        record = self.record
+        if event != "opcode" or record.refused is not None:
+            return self._on_opcode
+        code = frame.f_code
+        table = self._instructions.get(code)
+        if table is None:
+            table = self._instructions[code] = {i.offset: i for i in dis.get_instructions(code)}
+        instruction = table.get(frame.f_lasti)
+        if instruction is None:
+            return self._on_opcode
+        op, name = instruction.opname, instruction.argval
+        record.busy = True
+        try:
+            self._handle(frame, op, name, instruction, table)
+        finally:
+            record.busy = False
+        return self._on_opcode
+
+    def _handle(
+        self, frame: types.FrameType, op: str, name: Any, instruction: dis.Instruction, table: dict
+    ) -> None:
+        code = frame.f_code
+        if op == "LOAD_GLOBAL":
+            self._global(frame, name)
+        elif op in ("LOAD_DEREF", "LOAD_CLASSDEREF") and name in code.co_freevars:
+            self._cell(frame, name, write=False)
+        elif op in ("STORE_DEREF", "DELETE_DEREF") and name in code.co_freevars:
+            self._cell(frame, name, write=True)
+        elif op in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+            self._global_write(frame, name)
+        elif op == "IMPORT_NAME":
+            self._import(frame, instruction, table)
+        elif op == "LOAD_NAME":
+            self.record.refused = f"runs code that looks up {name} by name (a class body, exec)"
+
+    def _global(self, frame: types.FrameType, name: str) -> None:
+        namespace = frame.f_globals
+        if name not in namespace:
+            self.record.read(namespace, "global", name, MISSING, None)
+            namespace = frame.f_builtins
+        value = namespace.get(name, MISSING)
+        if namespace is frame.f_builtins and name in _OPAQUE_BUILTINS:
+            self.record.refused = f"calls {name}()"
+            return
+        self.record.read(namespace, "global", name, value, None)
+
+    def _cell(self, frame: types.FrameType, name: str, *, write: bool) -> None:
+        code = frame.f_code
+        if code in self._made:
+            return  # a closure made while recording: its cells are the recording's own
+        cell = self._cell_of(frame, name)
+        if cell is None:
+            self.record.refused = f"reads the closure variable {name} of a function it cannot find"
+            return
+        if write:
+            self.record.writes.append(f"writes the closure variable {name} of {code.co_name}")
+            self.record.saved.save_cell(cell)
+            return
+        self.record.read(cell, "cell", name, cell_value(cell), None)
+
+    def _cell_of(self, frame: types.FrameType, name: str) -> types.CellType | None:
+        """The cell behind ``frame``'s free variable ``name``: from the one function met with
+        this code whose closure holds what the frame holds."""
+        code = frame.f_code
+        values = frame.f_locals
+        found = [
+            f
+            for f in self.record.functions.get(code, ())
+            if f.__closure__ is not None
+            and all(
+                n not in values or cell_value(c) is values[n]
+                for n, c in zip(code.co_freevars, f.__closure__)
+            )
+        ]
+        if len(found) != 1:
+            return None
+        return dict(zip(code.co_freevars, found[0].__closure__ or ()))[name]
+
+    def _global_write(self, frame: types.FrameType, name: str) -> None:
+        namespace = frame.f_globals
+        self.record.writes.append(f"writes the global {name} of {namespace.get('__name__')}")
+        self.record.saved.save_item(namespace, name)
+
+    def _import(self, frame: types.FrameType, instruction: dis.Instruction, table: dict) -> None:
+        offsets = sorted(o for o in table if o < instruction.offset)
+        level = table[offsets[-2]].argval if len(offsets) >= 2 else None
+        name = instruction.argval
+        if level != 0 or name not in sys.modules:
+            self.record.refused = f"imports {name}"
+            return
+        self.record.read(sys.modules, "global", name, sys.modules[name], None)
