@@ -29,6 +29,7 @@ from fddp._ranks._signature import Signature
 from fddp._step import _step_lock
 from fddp._step._call_check import READ_AS_TRACED, CallCheck
 from fddp._step._call_inputs import tensor_indices_of_arg
+from fddp._step._held_tensors import agreed_at_compile
 from fddp._step._modes import KnownModels
 from fddp._step._options import StepOptions, argnums, backend, replicated
 from fddp._step._replica_guard import ReplicaGuard
@@ -210,6 +211,7 @@ class DataParallelStep:
                 kept_as=kept_as,
                 method=self._capture_method,
             )
+        agreed_at_compile(compiled)
         self._capture_method = compiled.captured.method
         signature = self._models.after_compile(signature, args, compiled)
         _runtime.log_rank0(
