@@ -351,7 +351,10 @@ def data_parallel(
             signature one small all-gather of digests also finds which other arguments are
             per-rank, such as the batch; an output computed from those without a collective
             (a forgotten ``pmean``) and passed back as a replicated argument raises
-            ``ReplicaMismatchError``. False turns the comparison of argument values off.
+            ``ReplicaMismatchError``. A tensor the compiled step closes over (a learning rate,
+            a hyperparameter tensor) written in place since the ranks last agreed on it (its
+            version counter moved) is hashed into the call's check too. False turns the
+            comparison of argument values and of those tensors off.
         cache_size: how many compiled programs (one per input signature) are kept; the least
             recently used is dropped beyond that. A leaf that keeps changing is named in a
             ``RetraceWarning``.
