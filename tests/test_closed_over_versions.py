@@ -43,10 +43,13 @@ def _sgd_step(lr: torch.Tensor):
     return step
 
 
-def _sgd_changed(on_ranks: tuple[int, ...], **options):
+def _sgd_changed(on_ranks: tuple[int, ...], inference: bool = False, **options):
     """CALLS calls of the closed-over-lr step; before call CHANGED_AT the ranks ``on_ranks``
-    set the learning rate to 0.05 in place. What was raised, and the parameters."""
-    lr = torch.tensor(0.1)
+    set the learning rate to 0.05 in place (``inference``: an inference tensor, which has no
+    version counter, made and written under ``torch.inference_mode``). What was raised, and
+    the parameters."""
+    with torch.inference_mode(inference):
+        lr = torch.tensor(0.1)
     pstep = fddp.data_parallel(_sgd_step(lr), **options)
     params = _params()
 
@@ -54,7 +57,8 @@ def _sgd_changed(on_ranks: tuple[int, ...], **options):
         nonlocal params
         for call in range(CALLS):
             if call == CHANGED_AT and fddp.rank() in on_ranks:
-                lr.fill_(0.05)
+                with torch.inference_mode(inference):
+                    lr.fill_(0.05)
             params = pstep(params, *_batch(call, fddp.rank()))
 
     return raised(calls), params
@@ -62,6 +66,10 @@ def _sgd_changed(on_ranks: tuple[int, ...], **options):
 
 def check_lr_changed_on_one_rank():
     return _sgd_changed((1,))[0]
+
+
+def check_inference_lr_changed_on_one_rank():
+    return _sgd_changed((1,), inference=True)[0]
 
 
 def check_lr_changed_alike():
@@ -121,6 +129,7 @@ def check_fully_sharded_weight_decay_changed_on_one_rank():
 
 CHECKS = {
     "lr_changed_on_one_rank": check_lr_changed_on_one_rank,
+    "inference_lr_changed_on_one_rank": check_inference_lr_changed_on_one_rank,
     "lr_changed_alike": check_lr_changed_alike,
     "lr_changed_on_one_rank_unchecked": check_lr_changed_on_one_rank_unchecked,
     "adamw_weight_decay_changed_on_one_rank": check_adamw_weight_decay_changed_on_one_rank,
@@ -142,6 +151,7 @@ def runs():
     "name",
     [
         "lr_changed_on_one_rank",
+        "inference_lr_changed_on_one_rank",
         "adamw_weight_decay_changed_on_one_rank",
         "sharded_state_weight_decay_changed_on_one_rank",
         "fully_sharded_weight_decay_changed_on_one_rank",

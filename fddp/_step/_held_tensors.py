@@ -17,16 +17,12 @@ def label(node: str) -> str:
     return f"{HELD}node '{node}'"
 
 
-def version_of(t: torch.Tensor) -> int:
-    """``t``'s version counter, which every in-place write moves; -1 for an inference tensor,
-    which has none (it is hashed on every call)."""
-    return -1 if t.is_inference() else t._version
-
-
 def agreed_at_compile(compiled: Compiled) -> None:
     """Record the versions of the tensors ``compiled`` holds, whose values the ranks compared
-    when they compiled it."""
-    compiled.held_versions = [version_of(t) for _, t in compiled.held]
+    when they compiled it. Inference tensors, which have no version counter, go last in
+    ``compiled.held``, past its versions: they are hashed on every call."""
+    compiled.held.sort(key=lambda held: held[1].is_inference())
+    compiled.held_versions = [t._version for _, t in compiled.held if not t.is_inference()]
 
 
 @dataclasses.dataclass
@@ -63,13 +59,14 @@ class Moved:
 
 
 def moved(compiled: Compiled) -> Moved:
-    """The tensors ``compiled`` holds, those whose version moved since the ranks last agreed on
-    them hashed now (in the common case none: one version read per tensor)."""
-    agreed = compiled.held_versions
-    assert len(agreed) == len(compiled.held)  # recorded by agreed_at_compile
-    now = [version_of(t) for _, t in compiled.held]
-    if now == agreed and -1 not in now:
+    """The tensors ``compiled`` holds, those written since the ranks last agreed on them (their
+    version counters moved; inference tensors always) hashed now: in the common case none, one
+    version read per tensor."""
+    agreed, held = compiled.held_versions, compiled.held
+    now = [t._version for _, t in held[: len(agreed)]]
+    if now == agreed and len(agreed) == len(held):
         return Moved(compiled, {}, {})
-    versions = {k: v for k, (v, was) in enumerate(zip(now, agreed)) if v != was or v < 0}
-    found = _digests.digests([compiled.held[k][1] for k in versions])
-    return Moved(compiled, dict(zip(versions, found)), versions)
+    versions = {k: v for k, (v, was) in enumerate(zip(now, agreed)) if v != was}
+    written = [*versions, *range(len(agreed), len(held))]
+    found = _digests.digests([held[k][1] for k in written])
+    return Moved(compiled, dict(zip(written, found)), versions)
