@@ -146,6 +146,7 @@ def compile_step(
             )
             assert captured.graph is not None  # the passes below rewrite it in place
             identity = _identity.program_lines(captured.graph, captured.inputs)
+            held = _identity.held_tensors(captured.graph, captured.inputs)
     except Exception as e:  # every rank must learn about it before anyone runs a collective
         error = e
     key = agreed_cap = None
@@ -164,7 +165,7 @@ def compile_step(
                 if program is None:
                     program = schedule_graph(captured, options, donated, machine, agreed_cap)
                 program.known_graph_digest = digest(identity)
-                compiled = Compiled(program, captured, dynamo, from_cache=loaded)
+                compiled = Compiled(program, captured, dynamo, from_cache=loaded, held=held)
                 if key is not None and not loaded:
                     compiled.after_first_run = functools.partial(_persistent.save, key)
     except Exception as e:

@@ -90,6 +90,12 @@ class Compiled:
     varying_tensors: list[bool] | None = None
     varying_outputs: dict[int, tuple[str, str]] | None = None
     from_cache: bool = False  # loaded from the persistent program cache
+    # the tensors the program holds by reference that the ranks compared at the compile
+    # (``_identity.held_tensors``: closed over, constants), by node name, and the versions of
+    # the first of them when the ranks last agreed on their values (kept by the step; the rest
+    # are inference tensors, which have no version counter)
+    held: list[tuple[str, torch.Tensor]] = dataclasses.field(default_factory=list)
+    held_versions: list[int] = dataclasses.field(default_factory=list)
     # what its first run that returns calls with it (writing it to the persistent cache: a
     # Dynamo capture learns its outputs in that run), then forgets
     after_first_run: Callable[[Compiled], None] | None = None

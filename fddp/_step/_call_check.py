@@ -22,6 +22,7 @@ from fddp._ranks._agree import (
 )
 from fddp._ranks._signature import Signature, leaf_paths
 from fddp._step._call_inputs import GENERATOR, NEW, VALUE, Inputs
+from fddp._step._held_tensors import HELD
 
 _LINES_KEPT = 64  # signatures whose lines are kept for the next calls
 _CALL = "the call"  # the line that counts this step's calls on this rank
@@ -108,6 +109,8 @@ class Pending:
                 "draws and must be the same on every rank. Seed every rank alike "
                 "(torch.manual_seed(seed)) and save its state with the checkpoint."
             )
+        if difference.label.startswith(HELD):
+            raise _held_changed(name, self._call, difference)
         if difference.label.startswith(VALUE):
             assert self._inputs is not None  # only inputs have such lines
             origin = _origin(everyone_origins, difference)
@@ -171,6 +174,17 @@ def _drifted(name: str, call: int, difference: Difference) -> ReplicaMismatchErr
     return ReplicaMismatchError(
         f"{name}, call {call}: a replicated argument differs between ranks: {difference}. "
         f"{hint} Nothing of this call has run. ({OPT_OUT}.)"
+    )
+
+
+def _held_changed(name: str, call: int, difference: Difference) -> ReplicaMismatchError:
+    return ReplicaMismatchError(
+        f"{name}, call {call}: a tensor the step closes over differs between ranks: "
+        f"{difference}. It was written in place after the step was compiled (a learning "
+        "rate's fill_, a hyperparameter tensor's copy_) on some ranks only: the compiled step "
+        "reads it as it is now, so the ranks would train differently. Change it alike on "
+        "every rank, or pass it to the step as an argument. Nothing of this call has run. "
+        "(check_replicas=False turns this check off, with that of the replicated arguments.)"
     )
 
 

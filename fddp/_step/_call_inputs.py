@@ -13,6 +13,7 @@ from fddp._ranks import _digests
 from fddp._ranks._agree import Line
 from fddp._ranks._signature import leaf_paths
 from fddp._sharding import per_rank_leaves
+from fddp._step._held_tensors import Moved
 
 GENERATOR = "the random generator's state"
 VALUE = "the value of argument leaf "  # the label of a replicated leaf's value, then its path
@@ -110,7 +111,8 @@ class Inputs:
     from its origin: a replicated output of one of this step's calls (``origins``: index ->
     :class:`Returned`), which every rank must then name alike. Per-rank leaves
     of a sharded layout enter by their origin alone. ``generator``: the random generator's
-    state, where the step's results depend on it.
+    state, where the step's results depend on it. ``held``: the tensors the program holds by
+    reference (closed over), those written since the ranks last agreed on them hashed now.
     """
 
     layout: Layout
@@ -118,6 +120,7 @@ class Inputs:
     hashed: dict[int, torch.Tensor]
     origins: dict[int, Returned]
     generator: torch.Tensor | None = None
+    held: Moved | None = None
 
     def terms(self) -> str:
         """The call's inputs as text to digest: for each replicated leaf its digest or origin,
@@ -133,6 +136,8 @@ class Inputs:
         ]
         if self.generator is not None:
             terms.append((GENERATOR_SOURCE, _digests.digests([self.generator])[0].tolist()))
+        if self.held is not None:
+            terms += self.held.terms()
         return repr(terms)
 
     def _origin(self, i: int) -> str:
@@ -149,8 +154,8 @@ class Inputs:
 
     def lines(self) -> tuple[list[Line], list[Line]]:
         """Every source as labelled lines, each replicated leaf by its value (hashed now where
-        only its origin was known), then where each leaf comes from (compared only where every
-        rank knows; per-rank leaves by origin)."""
+        only its origin was known) and every tensor the program holds, then where each leaf
+        comes from (compared only where every rank knows; per-rank leaves by origin)."""
         paths, order = self.layout.paths, self.layout.replicated
         unknown = [i for i in order if i not in self.hashed]
         found = dict(zip(unknown, _digests.digests([self.tensors[i] for i in unknown])))
@@ -162,6 +167,8 @@ class Inputs:
             digest = self.hashed.get(i, found.get(i))
             assert digest is not None
             values.append((VALUE + paths[i], describe_tensor(self.tensors[i], digest)))
+        if self.held is not None:
+            values += [(label, describe_tensor(t, d)) for label, t, d in self.held.values()]
         origins = [(VALUE + paths[i], self._origin(i)) for i in order]
         origins += [
             (f"argument leaf {paths[i]} ({why})", self._origin(i))

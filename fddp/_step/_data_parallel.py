@@ -29,6 +29,7 @@ from fddp._ranks._signature import Signature
 from fddp._step import _step_lock
 from fddp._step._call_check import READ_AS_TRACED, CallCheck
 from fddp._step._call_inputs import tensor_indices_of_arg
+from fddp._step._held_tensors import agreed_at_compile
 from fddp._step._modes import KnownModels
 from fddp._step._options import StepOptions, argnums, backend, replicated
 from fddp._step._replica_guard import ReplicaGuard
@@ -210,6 +211,7 @@ class DataParallelStep:
                 kept_as=kept_as,
                 method=self._capture_method,
             )
+        agreed_at_compile(compiled)
         self._capture_method = compiled.captured.method
         signature = self._models.after_compile(signature, args, compiled)
         _runtime.log_rank0(
@@ -349,7 +351,10 @@ def data_parallel(
             signature one small all-gather of digests also finds which other arguments are
             per-rank, such as the batch; an output computed from those without a collective
             (a forgotten ``pmean``) and passed back as a replicated argument raises
-            ``ReplicaMismatchError``. False turns the comparison of argument values off.
+            ``ReplicaMismatchError``. A tensor the compiled step closes over (a learning rate,
+            a hyperparameter tensor) written in place since the ranks last agreed on it (its
+            version counter moved) is hashed into the call's check too. False turns the
+            comparison of argument values and of those tensors off.
         cache_size: how many compiled programs (one per input signature) are kept; the least
             recently used is dropped beyond that. A leaf that keeps changing is named in a
             ``RetraceWarning``.

@@ -22,6 +22,7 @@ from fddp._step._call_inputs import (
 )
 from fddp._step._call_outputs import CallOutputs
 from fddp._step._fed_back import FedBack
+from fddp._step._held_tensors import moved
 from fddp._step._program_facts import ProgramFacts
 from fddp._step._replicated_trees import compare_trees
 
@@ -69,7 +70,9 @@ class ReplicaGuard:
         which under the invariant mode brings the generator's state on every call). The replicated
         arguments' leaves, and what the replicated outputs fed back into them were computed
         from (learned on earlier calls of ``compiled``), each hashed unless it is the unchanged
-        replicated output of a call (one hash per new tensor, none for a step's own state)."""
+        replicated output of a call (one hash per new tensor, none for a step's own state);
+        the tensors ``compiled`` holds by reference, hashed where written since the ranks last
+        agreed on them (none with ``check_replicas=False``)."""
         self._first_checked = set()
         if _runtime.world_size(self._group) <= 1:
             return None
@@ -96,7 +99,8 @@ class ReplicaGuard:
         generator = None
         if GENERATOR_SOURCE in needed or (self._generator and eager):
             generator = generator_state(device)
-        return Inputs(layout, tensors, hashed, origins, generator)
+        held = moved(compiled) if compiled is not None and self._argnums else None
+        return Inputs(layout, tensors, hashed, origins, generator, held)
 
     def _needed(
         self, layout: Layout, tensors: list[torch.Tensor], compiled: Compiled | None
@@ -135,6 +139,8 @@ class ReplicaGuard:
         every rank where computed only from sources this call checked (``inputs``, and what
         its program's first run found the same)."""
         checked, facts = None, None
+        if inputs is not None and inputs.held is not None:
+            inputs.held.settled()
         if inputs is not None:
             generator = () if inputs.generator is None else (GENERATOR_SOURCE,)
             checked = {*inputs.layout.replicated, *generator} | self._first_checked

@@ -60,6 +60,23 @@ def program_lines(gm: fx.GraphModule, inputs: list[int | torch.Tensor]) -> list[
     return lines
 
 
+def held_tensors(
+    gm: fx.GraphModule, inputs: list[int | torch.Tensor]
+) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a captured step's graph ``gm`` holds by reference that :func:`program_lines`
+    compares by value: those the step closes over (among ``inputs``) and its tensor constants,
+    each once, named by its first node; those a sharded layout or the rank axis made per rank
+    are left out. A write into one after the compile changes what the program computes."""
+    found: dict[int, tuple[str, torch.Tensor]] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, source in zip(placeholders, inputs):
+        if isinstance(source, torch.Tensor) and per_rank_reason(node) is None:
+            found.setdefault(id(source), (node.name, source))
+    for node, value in _constants(gm):
+        found.setdefault(id(value), (node.name, value))
+    return list(found.values())
+
+
 def _constants(gm: fx.GraphModule) -> list[tuple[fx.Node, torch.Tensor]]:
     out = []
     for node in gm.graph.nodes:
