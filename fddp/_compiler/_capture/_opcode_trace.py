@@ -4,6 +4,7 @@ its writes to them."""
 from __future__ import annotations
 
 import dis
+import gc
 import sys
 import types
 from typing import Any, Protocol
@@ -39,6 +40,7 @@ class Record(Protocol):
     """Where the trace notes what it sees (an ``_evidence.Recorder``)."""
 
     refused: str | None  # why what ran is no evidence
+    whole_step: bool  # writes stay and what cannot be checked is left unwatched, not refused
     busy: bool  # the record is at work: the code running now is its own
     writes: list[str]
     saved: SavedState
@@ -60,12 +62,19 @@ class OpcodeTrace:
         self.record = record
         self._made: set[types.CodeType] = set()  # code nested in code that ran here
         self._instructions: dict[types.CodeType, dict[int, dis.Instruction]] = {}
+        self._library: dict[types.CodeType, bool] = {}  # whether code in a file is library code
+        self._found: dict[types.CodeType, list[types.FunctionType]] = {}  # found by the gc
 
     def on_call(self, frame: types.FrameType, event: str, arg: Any) -> Any:
         if event != "call" or self.record.busy or self.record.refused is not None:
             return None
         code = frame.f_code
-        if library_frame(frame):
+        library = self._library.get(code)
+        if library is None:
+            library = library_frame(frame)
+            if not code.co_filename.startswith("<"):  # generated code counts as its caller's
+                self._library[code] = library
+        if library:
             return None
         self._made.update(c for c in code.co_consts if isinstance(c, types.CodeType))
         frame.f_trace_opcodes = True
@@ -97,8 +106,11 @@ class OpcodeTrace:
         code = frame.f_code
         if op == "LOAD_GLOBAL":
             self._global(frame, name)
-        elif op in ("LOAD_DEREF", "LOAD_CLASSDEREF") and name in code.co_freevars:
+        elif op in ("LOAD_DEREF", "LOAD_CLASSDEREF", "LOAD_CLOSURE") and name in code.co_freevars:
+            # LOAD_CLOSURE: the cell handed to a closure made here, which reads it unrecorded
             self._cell(frame, name, write=False)
+        elif self.record.whole_step:
+            return  # a whole step's writes stay; what it cannot check is left unwatched
         elif op in ("STORE_DEREF", "DELETE_DEREF") and name in code.co_freevars:
             self._cell(frame, name, write=True)
         elif op in ("STORE_GLOBAL", "DELETE_GLOBAL"):
@@ -114,7 +126,8 @@ class OpcodeTrace:
             self.record.read(namespace, "global", name, MISSING, None)
             namespace = frame.f_builtins
         value = namespace.get(name, MISSING)
-        if namespace is frame.f_builtins and name in _OPAQUE_BUILTINS:
+        opaque = namespace is frame.f_builtins and name in _OPAQUE_BUILTINS
+        if opaque and not self.record.whole_step:  # a whole step's side effects are trace-time
             self.record.refused = f"calls {name}()"
             return
         self.record.read(namespace, "global", name, value, None)
@@ -123,33 +136,48 @@ class OpcodeTrace:
         code = frame.f_code
         if code in self._made:
             return  # a closure made while recording: its cells are the recording's own
-        cell = self._cell_of(frame, name)
-        if cell is None:
+        cells = self._cells_of(frame, name)
+        if self.record.whole_step and not cells:
+            return  # no function alive runs this frame's code with its closure: none to read
+        if len(cells) != 1 and not self.record.whole_step:
             self.record.refused = f"reads the closure variable {name} of a function it cannot find"
             return
         if write:
             self.record.writes.append(f"writes the closure variable {name} of {code.co_name}")
-            self.record.saved.save_cell(cell)
+            self.record.saved.save_cell(cells[0])
             return
-        self.record.read(cell, "cell", name, cell_value(cell), None)
+        for cell in cells:  # a whole step's: each function the frame may run, to be sure
+            self.record.read(cell, "cell", name, cell_value(cell), None)
 
-    def _cell_of(self, frame: types.FrameType, name: str) -> types.CellType | None:
-        """The cell behind ``frame``'s free variable ``name``: from the one function met with
-        this code whose closure holds what the frame holds."""
+    def _cells_of(self, frame: types.FrameType, name: str) -> list[types.CellType]:
+        """The cells that may be behind ``frame``'s free variable ``name``: of the functions
+        met with this code whose closure holds what the frame holds (for a whole step, of
+        those the garbage collector knows, when none was met)."""
         code = frame.f_code
         values = frame.f_locals
+        functions = self.record.functions.get(code, ())
+        if not functions and self.record.whole_step:
+            functions = self._functions_of(code)
         found = [
             f
-            for f in self.record.functions.get(code, ())
+            for f in functions
             if f.__closure__ is not None
             and all(
                 n not in values or cell_value(c) is values[n]
                 for n, c in zip(code.co_freevars, f.__closure__)
             )
         ]
-        if len(found) != 1:
-            return None
-        return dict(zip(code.co_freevars, found[0].__closure__ or ()))[name]
+        return [dict(zip(code.co_freevars, f.__closure__ or ()))[name] for f in found]
+
+    def _functions_of(self, code: types.CodeType) -> list[types.FunctionType]:
+        """Every function of ``code`` alive (once per code: it walks the objects tracked)."""
+        found = self._found.get(code)
+        if found is None:
+            referrers = gc.get_referrers(code)
+            found = self._found[code] = [
+                f for f in referrers if isinstance(f, types.FunctionType) and f.__code__ is code
+            ]
+        return found
 
     def _global_write(self, frame: types.FrameType, name: str) -> None:
         namespace = frame.f_globals
