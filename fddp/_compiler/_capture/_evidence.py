@@ -328,8 +328,8 @@ def _module_reads_wrapped() -> Iterator[None]:
 def recording(recorder: Recorder) -> Iterator[Recorder]:
     """Within the block, this thread's reads are ``recorder``'s. Afterwards its ``writes`` also
     hold the objects met that changed, a draw from Python's random generator and a change of
-    torch's global state (autocast, grad mode); with ``trace_code``, what was written is put
-    back as it was (the caller traces the code again, or not at all)."""
+    torch's global state (autocast, grad mode); for a template (``undoes_writes``), what was
+    written is put back as it was (the caller traces the code again, or not at all)."""
     if recorder.trace_code and sys.gettrace() is not None:  # a debugger's or coverage's
         if recorder.whole_step:
             recorder.unwatched = "the step was captured under another trace function"

@@ -35,6 +35,31 @@ _OPAQUE_BUILTINS = frozenset(
     }
 )
 
+_LIBRARY_CODE: set[types.CodeType] = set()  # the code of library files met (see library_frame)
+
+
+def follows_code(trace: Any) -> bool:
+    """Whether ``trace`` (``sys.gettrace()``) is an :class:`OpcodeTrace`'s."""
+    return getattr(trace, "follows_code", False)
+
+
+class Unfollowed:
+    """Within the block, this thread's :class:`OpcodeTrace` is off: for fddp's and torch's
+    work that runs none of the step's Python (an aten op, a block's replay), which a trace
+    function would slow (every frame runs unspecialized while one is set)."""
+
+    __slots__ = ("_trace",)
+
+    def __enter__(self) -> None:
+        trace = sys.gettrace()
+        self._trace = trace if follows_code(trace) else None
+        if self._trace is not None:
+            sys.settrace(None)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._trace is not None:
+            sys.settrace(self._trace)
+
 
 class Record(Protocol):
     """Where the trace notes what it sees (an ``_evidence.Recorder``)."""
@@ -53,7 +78,7 @@ class Record(Protocol):
 
 class OpcodeTrace:
     """Follows each frame outside torch, fddp and the standard library opcode by opcode
-    (:meth:`on_call` is the ``sys.settrace`` function) and notes in ``record`` the globals and
+    (``on_call`` is the ``sys.settrace`` function) and notes in ``record`` the globals and
     closure variables the frame loads, the modules it imports, the builtins it calls that read
     what no record sees, and its writes to globals and closure variables (saved to be put back).
     """
@@ -62,19 +87,23 @@ class OpcodeTrace:
         self.record = record
         self._made: set[types.CodeType] = set()  # code nested in code that ran here
         self._instructions: dict[types.CodeType, dict[int, dis.Instruction]] = {}
-        self._library: dict[types.CodeType, bool] = {}  # whether code in a file is library code
         self._found: dict[types.CodeType, list[types.FunctionType]] = {}  # found by the gc
+        slow = self._on_call
 
-    def on_call(self, frame: types.FrameType, event: str, arg: Any) -> Any:
+        def on_call(frame: types.FrameType, event: str, arg: Any) -> Any:
+            # most calls, while a whole step is traced, are torch's: one test for them
+            return None if frame.f_code in _LIBRARY_CODE else slow(frame, event, arg)
+
+        on_call.follows_code = True  # type: ignore[attr-defined]  # see follows_code
+        self.on_call = on_call
+
+    def _on_call(self, frame: types.FrameType, event: str, arg: Any) -> Any:
         if event != "call" or self.record.busy or self.record.refused is not None:
             return None
         code = frame.f_code
-        library = self._library.get(code)
-        if library is None:
-            library = library_frame(frame)
+        if library_frame(frame):
             if not code.co_filename.startswith("<"):  # generated code counts as its caller's
-                self._library[code] = library
-        if library:
+                _LIBRARY_CODE.add(code)
             return None
         self._made.update(c for c in code.co_consts if isinstance(c, types.CodeType))
         frame.f_trace_opcodes = True
