@@ -5,6 +5,8 @@ calls, as a user would, and every call computes what the step computes eagerly."
 
 from __future__ import annotations
 
+import logging
+import sys
 import warnings
 
 import pytest
@@ -174,3 +176,19 @@ def test_a_global_changed_on_one_rank_is_an_error_on_every_rank(two_ranks):
     for kind, message in two_ranks["one rank changes a global"]:
         assert kind == "ScheduleMismatchError", message
         assert "test_step_globals.LR changed" in message, message
+
+
+def test_under_another_trace_function_the_log_says_globals_are_not_checked(caplog):
+    """A debugger's or coverage's trace function stays in place: the step's code is not
+    followed while it is captured, and the log says what that leaves unchecked."""
+    pstep = fddp.data_parallel(step)
+    w, x = _inputs()
+    sys.settrace(lambda frame, event, arg: None)
+    try:
+        with caplog.at_level(logging.INFO, logger="fddp"):
+            got = pstep(w, x)
+    finally:
+        sys.settrace(None)
+    assert_trees_close(got, step(w, x), rtol=1e-6, atol=1e-7)
+    said = [r.getMessage() for r in caplog.records if "another trace function" in r.getMessage()]
+    assert said and "globals and closure variables" in said[0], said
