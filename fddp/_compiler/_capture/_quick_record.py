@@ -76,6 +76,8 @@ _RULES: dict[Any, str] = {
     torch.ops._c10d_functional.all_reduce.default: _CONTIGUOUS,
     torch.ops._c10d_functional.wait_tensor.default: _LIKE_INPUT,
 }
+# the namespaces of torch's own ops, whose kernels (fake, meta) run none of the step's Python
+_TORCH_OPS = frozenset({"aten", "prims", "_c10d_functional", "_c10d_functional_autograd"})
 # arguments that are not tensors but keep these ops' results laid out like their inputs
 _QUIET_KWARGS = {"alpha", "value", "weight", "ord", "dtype"}
 
@@ -87,7 +89,9 @@ class QuickRecord(TorchDispatchMode):
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
-        with Unfollowed():  # an aten op runs none of the step's Python
+        if getattr(func, "namespace", None) not in _TORCH_OPS:  # a custom op: its Python is yours
+            return self._dispatch(func, args, kwargs or {})
+        with Unfollowed():  # torch's own op runs none of the step's Python
             return self._dispatch(func, args, kwargs or {})
 
     def _dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
