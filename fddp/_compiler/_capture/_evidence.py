@@ -340,7 +340,8 @@ def recording(recorder: Recorder) -> Iterator[Recorder]:
     recorder.saved.forget_modules()
     torch_state = GlobalStateGuard()
     python_random = random.getstate()
-    tracing = recorder.trace_code and recorder.refused is None and recorder.unwatched is None
+    # a whole step's code is followed only while the step runs (see following)
+    tracing = recorder.undoes_writes and recorder.refused is None
     try:
         with _module_reads_wrapped():
             if tracing:
@@ -354,6 +355,22 @@ def recording(recorder: Recorder) -> Iterator[Recorder]:
         _LOCAL.recorder = outer
         if recorder.undoes_writes:  # also when the code raised: what it wrote is put back
             _check_writes(recorder, torch_state, python_random)
+
+
+@contextlib.contextmanager
+def following() -> Iterator[None]:
+    """Within the block, this thread's whole-step recorder follows the code opcode by opcode:
+    around the step itself, not the capture's machinery around it, which a trace function
+    would slow (every frame runs unspecialized while one is set)."""
+    recorder = _LOCAL.recorder
+    if recorder is None or not recorder.whole_step or recorder.unwatched is not None:
+        yield
+        return
+    sys.settrace(recorder.code_trace.on_call)
+    try:
+        yield
+    finally:
+        sys.settrace(None)
 
 
 def _check_writes(recorder: Recorder, torch_state: GlobalStateGuard, python_random: Any) -> None:

@@ -236,7 +236,8 @@ def trace_with_make_fx(
     def flat_step(*tensors: torch.Tensor) -> list[torch.Tensor]:
         it = iter(tensors)
         full = [next(it) if t else x for t, x in zip(is_tensor, leaves)]
-        out = _quickly(fn)(*optree.tree_unflatten(spec, full))
+        with _evidence.following():  # the step's own Python: its globals, closure variables
+            out = _quickly(fn)(*optree.tree_unflatten(spec, full))
         out_leaves, outputs["spec"] = optree.tree_flatten(out)
         outputs["leaves"] = out_leaves
         return [x for x in out_leaves if isinstance(x, torch.Tensor)]
