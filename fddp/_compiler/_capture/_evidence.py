@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import random
 import sys
@@ -22,6 +23,7 @@ from fddp._compiler._capture._snapshots import (
     GONE,
     MISSING,
     NoEvidence,
+    cell_value,
     immutable_or_code,
     snapshot,
 )
@@ -140,10 +142,26 @@ class Recorder:
 
     ``paths`` (id of each module of a block -> its path) makes the reads of those modules
     relative to the block, so they can be read again from another block of the same structure.
+
+    ``whole_step`` records a whole step's capture, whose program is reused while its reads read
+    the same: an object whose state cannot be compared counts by identity, the step's writes
+    stay as they are (its trace-time side effects) and what the opcode trace cannot check (a
+    name looked up by name, an opaque builtin, an import) is left unwatched instead of refused;
+    under another trace function (a debugger's, coverage's) no code is followed
+    (``unwatched`` says so).
     """
 
-    def __init__(self, *, trace_code: bool, paths: Mapping[int, str] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        trace_code: bool,
+        paths: Mapping[int, str] | None = None,
+        whole_step: bool = False,
+    ) -> None:
         self.trace_code = trace_code
+        self.whole_step = whole_step
+        self.undoes_writes = trace_code and not whole_step  # and snapshots strictly
+        self.unwatched: str | None = None  # why the code was not followed
         self.paths = paths
         self.reads: dict[tuple[int, str, str], Read] = {}
         self.keep: list[Any] = []  # the owners read, alive while their ids key ``reads``
@@ -171,7 +189,7 @@ class Recorder:
             self.busy = False
 
     def _module_read(self, module: nn.Module, name: str, value: Any, member: bool) -> None:
-        if self.trace_code:
+        if self.undoes_writes:
             self.saved.save_module(module)
         owner: Any = module
         if self.paths is not None and id(module) in self.paths:
@@ -197,7 +215,7 @@ class Recorder:
             expected = (
                 (torch.Tensor, None)
                 if kind == "member" and isinstance(value, torch.Tensor)
-                else snapshot(value, self.paths, strict=self.trace_code, met=self._meet)
+                else snapshot(value, self.paths, strict=self.undoes_writes, met=self._meet)
             )
         except NoEvidence as e:
             self.refused = f"{_describe_owner(owner)}.{name} {e}"
@@ -214,8 +232,15 @@ class Recorder:
             if not any(f is value for f in known):
                 known.append(value)
             return
-        if self.trace_code:
+        if self.undoes_writes:
             self.saved.save(value)
+
+    def meet_functions(self, *values: Any) -> None:
+        """Note the functions ``values`` are or wrap (a step, the functions passed to it): the
+        opcode trace finds their closure variables' cells through them."""
+        for value in values:
+            for function in _functions_within(value):
+                self._meet(function)
 
     def absorb(self, reads: list[Read], block: nn.Module) -> None:
         """Record ``reads`` (a template's, relative to its block) as read from ``block``."""
@@ -230,6 +255,21 @@ class Recorder:
                 self.read(owner, read.kind, read.name, value, read.owner_type)
         finally:
             self.busy = False
+
+
+def _functions_within(value: Any, depth: int = 4) -> Iterator[types.FunctionType]:
+    """``value`` if a function, the function a method or partial calls, and those in a
+    function's closure cells and ``__wrapped__`` (a decorator's), ``depth`` levels down."""
+    if depth == 0:
+        return
+    if isinstance(value, (types.MethodType, functools.partial)):
+        value = value.__func__ if isinstance(value, types.MethodType) else value.func
+    if not isinstance(value, types.FunctionType):
+        return
+    yield value
+    inner = [cell_value(c) for c in value.__closure__ or ()]
+    for found in [*inner, getattr(value, "__wrapped__", None)]:
+        yield from _functions_within(found, depth - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,16 +328,20 @@ def _module_reads_wrapped() -> Iterator[None]:
 def recording(recorder: Recorder) -> Iterator[Recorder]:
     """Within the block, this thread's reads are ``recorder``'s. Afterwards its ``writes`` also
     hold the objects met that changed, a draw from Python's random generator and a change of
-    torch's global state (autocast, grad mode); with ``trace_code``, what was written is put
-    back as it was (the caller traces the code again, or not at all)."""
+    torch's global state (autocast, grad mode); for a template (``undoes_writes``), what was
+    written is put back as it was (the caller traces the code again, or not at all)."""
     if recorder.trace_code and sys.gettrace() is not None:  # a debugger's or coverage's
-        recorder.refused = "runs under another trace function"
+        if recorder.whole_step:
+            recorder.unwatched = "the step was captured under another trace function"
+        else:
+            recorder.refused = "runs under another trace function"
     outer = _LOCAL.recorder
     _LOCAL.recorder = recorder
     recorder.saved.forget_modules()
     torch_state = GlobalStateGuard()
     python_random = random.getstate()
-    tracing = recorder.trace_code and recorder.refused is None
+    # a whole step's code is followed only while the step runs (see following)
+    tracing = recorder.undoes_writes and recorder.refused is None
     try:
         with _module_reads_wrapped():
             if tracing:
@@ -309,8 +353,24 @@ def recording(recorder: Recorder) -> Iterator[Recorder]:
                     sys.settrace(None)
     finally:
         _LOCAL.recorder = outer
-        if recorder.trace_code:  # also when the code raised: what it wrote is put back
+        if recorder.undoes_writes:  # also when the code raised: what it wrote is put back
             _check_writes(recorder, torch_state, python_random)
+
+
+@contextlib.contextmanager
+def following() -> Iterator[None]:
+    """Within the block, this thread's whole-step recorder follows the code opcode by opcode:
+    around the step itself, not the capture's machinery around it, which a trace function
+    would slow (every frame runs unspecialized while one is set)."""
+    recorder = _LOCAL.recorder
+    if recorder is None or not recorder.whole_step or recorder.unwatched is not None:
+        yield
+        return
+    sys.settrace(recorder.code_trace.on_call)
+    try:
+        yield
+    finally:
+        sys.settrace(None)
 
 
 def _check_writes(recorder: Recorder, torch_state: GlobalStateGuard, python_random: Any) -> None:

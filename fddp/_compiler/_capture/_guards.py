@@ -83,10 +83,12 @@ class Guards:
         else:
             what = f"{self._names.get(id(owner), type(owner).__qualname__)}.{read.name}"
         try:
-            now = repr(raw_read(owner, read.kind, read.name, read.owner_type))
+            value = raw_read(owner, read.kind, read.name, read.owner_type)
         except Gone:
-            now = "(gone)"
-        before = "(gone)" if read.value is MISSING else repr(read.value)
+            value = MISSING
+        if value is read.value and value is not MISSING:  # the same object, other contents
+            return f"{what} changed: its contents, now {_short(repr(value))}"
+        before, now = ("(gone)" if v is MISSING else repr(v) for v in (read.value, value))
         return f"{what} changed: {_short(before)} -> {_short(now)}"
 
 

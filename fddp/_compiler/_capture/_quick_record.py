@@ -14,6 +14,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.proxy import _COPY_META_FIELDS
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fddp._compiler._capture._opcode_trace import Unfollowed
+
 try:  # make_fx's and FakeTensorMode's internals: without them every op takes make_fx's path
     from torch._subclasses.fake_tensor import in_kernel_invocation_manager
     from torch.fx.experimental.proxy_tensor import _ProxyTensor, get_proxy_mode, set_proxy_slot
@@ -74,6 +76,8 @@ _RULES: dict[Any, str] = {
     torch.ops._c10d_functional.all_reduce.default: _CONTIGUOUS,
     torch.ops._c10d_functional.wait_tensor.default: _LIKE_INPUT,
 }
+# the namespaces of torch's own ops, whose kernels (fake, meta) run none of the step's Python
+_TORCH_OPS = frozenset({"aten", "prims", "_c10d_functional", "_c10d_functional_autograd"})
 # arguments that are not tensors but keep these ops' results laid out like their inputs
 _QUIET_KWARGS = {"alpha", "value", "weight", "ord", "dtype"}
 
@@ -85,7 +89,12 @@ class QuickRecord(TorchDispatchMode):
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
-        kwargs = kwargs or {}
+        if getattr(func, "namespace", None) not in _TORCH_OPS:  # a custom op: its Python is yours
+            return self._dispatch(func, args, kwargs or {})
+        with Unfollowed():  # torch's own op runs none of the step's Python
+            return self._dispatch(func, args, kwargs or {})
+
+    def _dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         layout = _RULES.get(func)
         if layout is not None and _AVAILABLE:
             out = _record(func, layout, args, kwargs)

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from fddp._base import _model_calls
 from fddp._compiler._capture import _backward_mode, _evidence, _quick_record
+from fddp._compiler._capture._opcode_trace import Unfollowed
 from fddp._compiler._graph import mutated_inputs, storage
 
 if _quick_record._AVAILABLE:
@@ -176,14 +177,15 @@ def _replaying_forward(
         if not _may_replay():
             return original(*args, **kwargs)
         main = _evidence.recorder()
-        with _evidence.paused():
+        with _evidence.paused(), Unfollowed():
             found = _replay_for(block, args, kwargs, kinds)
         if found is None:
             return original(*args, **kwargs)
         template, inputs = found
         if main is not None:
             main.absorb(template.reads, block)
-        outs = _Replay.apply(_Call(template), *inputs)
+        with Unfollowed():
+            outs = _Replay.apply(_Call(template), *inputs)
         it = iter(outs)
         return optree.tree_unflatten(
             template.out_spec,
@@ -528,7 +530,8 @@ class _Replay(torch.autograd.Function):
             plain = _unwrapped(c)
             env[placeholder] = (tracked[plain].proxy.node, plain)
             incoming[placeholder] = c
-        with interpreter.lower():  # the values written are plain fake tensors, wrapped after
+        # the values written are plain fake tensors, wrapped after
+        with interpreter.lower(), Unfollowed():
             _write(template.backward, env, tracer.graph)
             results = {g: _result(env[g], tracer) for g in template.grads if g is not None}
         grads: list[torch.Tensor | None] = [None]

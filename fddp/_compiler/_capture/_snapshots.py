@@ -137,11 +137,19 @@ def snapshot(
     their contents, modules by identity (or, in ``paths``, by their place in the block and
     type), code, classes and library modules by identity.
 
+    Not ``strict``, an object whose state cannot be read, or more than :data:`MAX_NODES`
+    values, counts by identity.
+
     Raises:
         NoEvidence: (``strict``) an object whose state cannot be read (a generator of C, a
             context variable), or more than :data:`MAX_NODES` values.
     """
-    return _snap(value, _Snapping(paths, strict, met, constants))
+    try:
+        return _snap(value, _Snapping(paths, strict, met, constants))
+    except NoEvidence:
+        if strict:
+            raise
+        return ("too large", type(value), _Same(value))
 
 
 def _snap(value: Any, s: _Snapping) -> Any:

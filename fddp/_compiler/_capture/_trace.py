@@ -236,7 +236,8 @@ def trace_with_make_fx(
     def flat_step(*tensors: torch.Tensor) -> list[torch.Tensor]:
         it = iter(tensors)
         full = [next(it) if t else x for t, x in zip(is_tensor, leaves)]
-        out = _quickly(fn)(*optree.tree_unflatten(spec, full))
+        with _evidence.following():  # the step's own Python: its globals, closure variables
+            out = _quickly(fn)(*optree.tree_unflatten(spec, full))
         out_leaves, outputs["spec"] = optree.tree_flatten(out)
         outputs["leaves"] = out_leaves
         return [x for x in out_leaves if isinstance(x, torch.Tensor)]
@@ -244,17 +245,26 @@ def trace_with_make_fx(
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = fake_inputs(fake_mode, [x for x, t in zip(leaves, is_tensor) if t])
     backward = _backward_mode.eager_backward() if fused_backward else contextlib.nullcontext()
-    recorder = _evidence.Recorder(trace_code=False)
+    # the modules' attributes the trace reads, and the globals, closure variables and their
+    # contents the step's own Python reads (not undone: they are the trace's side effects)
+    recorder = _evidence.Recorder(trace_code=True, whole_step=True)
+    recorder.meet_functions(fn, *leaves)
     with (
         fake_mode,
         fx_traceback.preserve_node_meta(),
         backward,
         _use_lazy_graph_module(True),
         _generators.watched() as draws,
-        _evidence.recording(recorder),  # the modules' attributes the trace reads
+        _evidence.recording(recorder),
         _repeated.session(),  # the repeated blocks of fddp.functional models are traced once
     ):
         gm = _tracer(flat_step)(*fakes)
+    if recorder.unwatched is not None:
+        _runtime.log_rank0(
+            "data_parallel: %s: the globals and closure variables the step reads are not "
+            "checked before its program is reused (module attributes are)",
+            recorder.unwatched,
+        )
     drawn = _generators.message(draws)
     if drawn is not None:
         raise _own_capture_error(drawn)
