@@ -47,6 +47,10 @@ def intercepted() -> Iterator[None]:
         (torch_checkpoint, "CheckpointFunction", _Reentrant),
         (torch_checkpoint, "_checkpoint_without_reentrant_generator", _non_reentrant),
     ]
+    if hasattr(torch_checkpoint, "_checkpoint_without_reentrant_generator_impl"):  # torch 2.15
+        patches.append(
+            (torch_checkpoint, "_checkpoint_without_reentrant_generator_impl", _non_reentrant_impl)
+        )
     if _hop_wrap is not None and hasattr(_hop_wrap, "tag_activation_checkpoint_impl"):
         patches.append((_hop_wrap, "tag_activation_checkpoint_impl", _from_dynamo))
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
@@ -79,6 +83,21 @@ def _non_reentrant(
 ) -> Iterator[None]:
     """Stands in for ``_checkpoint_without_reentrant_generator`` (``use_reentrant=False``):
     ``checkpoint`` calls the function between its two steps, inside the region."""
+    policy = _policy_of(context_fn, _user_frame)
+    with _region(policy):
+        yield
+
+
+def _non_reentrant_impl(
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    context_fn: Callable[[], Any],
+    **options: Any,
+) -> Iterator[None]:
+    """Stands in for ``_checkpoint_without_reentrant_generator_impl``, which ``checkpoint``
+    calls instead of ``_checkpoint_without_reentrant_generator`` from torch 2.15 on."""
     policy = _policy_of(context_fn, _user_frame)
     with _region(policy):
         yield
