@@ -145,8 +145,8 @@ def compile_step(
                 step_fn, args, tensors, fused_backward=options.in_place, method=method
             )
             assert captured.graph is not None  # the passes below rewrite it in place
-            identity = _identity.program_lines(captured.graph, captured.inputs)
             held = _identity.held_tensors(captured.graph, captured.inputs)
+            identity = _identity.program_lines(captured.graph, captured.inputs, held)
     except Exception as e:  # every rank must learn about it before anyone runs a collective
         error = e
     key = agreed_cap = None

@@ -83,9 +83,7 @@ def _non_reentrant(
 ) -> Iterator[None]:
     """Stands in for ``_checkpoint_without_reentrant_generator`` (``use_reentrant=False``):
     ``checkpoint`` calls the function between its two steps, inside the region."""
-    policy = _policy_of(context_fn, _user_frame)
-    with _region(policy):
-        yield
+    yield from _non_reentrant_impl(function, args, kwargs, context_fn=context_fn)
 
 
 def _non_reentrant_impl(

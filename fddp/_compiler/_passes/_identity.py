@@ -25,20 +25,23 @@ def per_rank_reason(node: fx.Node) -> str | None:
     return reason if isinstance(reason, str) else "the rank (fddp.axis_index)"
 
 
-def program_lines(gm: fx.GraphModule, inputs: list[int | torch.Tensor]) -> list[Line]:
+def program_lines(
+    gm: fx.GraphModule,
+    inputs: list[int | torch.Tensor],
+    held: list[tuple[str, torch.Tensor]],
+) -> list[Line]:
     """Every node of a captured step's graph ``gm`` as a labelled line: its operator, its
     arguments and every constant among them by value (integers, floats by their shortest exact repr,
     strings, tensor constants by a digest of their bits). ``inputs`` are the capture's inputs
     (``Captured.inputs``): an argument's index, or a tensor the step closes over, compared by
-    value too.
+    value too (``held``: those and the tensor constants, as :func:`held_tensors` finds them).
 
     Left out is only what differs per rank by construction and is named so: the constants of
     nodes a sharded layout or the rank axis annotated (:func:`per_rank_reason`, written in
     their place), a device's index (rank ``r`` computes on ``cuda:r``), and a collective's
     process group, written as its size (each rank of an axis holds its own subgroup)."""
-    held = {n.name: t for n, t in _constants(gm)}
-    known = iter(digests(list(held.values())))
-    constant_text = {name: _tensor_text(t, next(known)) for name, t in held.items()}
+    found = digests([t for _, t in held])
+    tensor_text = {id(t): _tensor_text(t, d) for (_, t), d in zip(held, found)}
     placeholders = iter(inputs)
     lines = []
     for node in gm.graph.nodes:
@@ -47,9 +50,10 @@ def program_lines(gm: fx.GraphModule, inputs: list[int | torch.Tensor]) -> list[
             source = next(placeholders)
             text = f"argument {source}" if isinstance(source, int) else "closed over"
             if not isinstance(source, int):
-                text += " " + (_tensor_text(source, digests([source])[0]) if reason is None else "")
+                text += " " + (tensor_text[id(source)] if reason is None else "")
         elif node.op == "get_attr":
-            text = constant_text.get(node.name) or f"constant {type(_attr(gm, node)).__name__}"
+            value = _attr(gm, node)
+            text = tensor_text.get(id(value)) or f"constant {type(value).__name__}"
             if reason is not None:
                 text = f"constant, per rank: {reason}"
         elif node.op == "call_function":
