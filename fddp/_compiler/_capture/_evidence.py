@@ -133,10 +133,10 @@ class Recorder:
     """Records the reads of the Python that runs in this thread within :meth:`recording`.
 
     Attribute reads of modules are seen everywhere (``nn.Module``'s attribute lookup is wrapped
-    for the duration). With ``trace_code`` the thread's Python outside torch, fddp and the
-    standard library is also followed opcode by opcode (:class:`OpcodeTrace`): the globals and
-    closure variables it loads, the imports it makes, the builtins it calls that read what no
-    record sees, and its writes to globals and closure variables. Every container, plain object,
+    for the duration). The thread's Python outside torch, fddp and the standard library is
+    also followed opcode by opcode (:class:`OpcodeTrace`): the globals and closure variables it
+    loads, the imports it makes, the builtins it calls that read what no record sees, and its
+    writes to globals and closure variables. Every container, plain object,
     user class or module, and generator met is compared again afterwards (:class:`SavedState`):
     a difference is a write.
 
@@ -154,13 +154,11 @@ class Recorder:
     def __init__(
         self,
         *,
-        trace_code: bool,
         paths: Mapping[int, str] | None = None,
         whole_step: bool = False,
     ) -> None:
-        self.trace_code = trace_code
         self.whole_step = whole_step
-        self.undoes_writes = trace_code and not whole_step  # and snapshots strictly
+        self.undoes_writes = not whole_step  # and snapshots strictly
         self.unwatched: str | None = None  # why the code was not followed
         self.paths = paths
         self.reads: dict[tuple[int, str, str], Read] = {}
@@ -171,7 +169,7 @@ class Recorder:
         # the functions met, by code: where the opcode trace finds a closure variable's cell
         self.functions: dict[types.CodeType, list[types.FunctionType]] = {}
         self.busy = False  # noting a read: the code that runs now is the recorder's own
-        self.code_trace = OpcodeTrace(self)  # with ``trace_code``, the thread's trace function
+        self.code_trace = OpcodeTrace(self)  # the thread's trace function while following
 
     # -- what the wrapped attribute lookup and the opcode trace report --
 
@@ -330,7 +328,7 @@ def recording(recorder: Recorder) -> Iterator[Recorder]:
     hold the objects met that changed, a draw from Python's random generator and a change of
     torch's global state (autocast, grad mode); for a template (``undoes_writes``), what was
     written is put back as it was (the caller traces the code again, or not at all)."""
-    if recorder.trace_code and sys.gettrace() is not None:  # a debugger's or coverage's
+    if sys.gettrace() is not None:  # a debugger's or coverage's
         if recorder.whole_step:
             recorder.unwatched = "the step was captured under another trace function"
         else:

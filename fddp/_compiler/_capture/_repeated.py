@@ -330,7 +330,7 @@ def _template(
     wants_grad = [x.requires_grad and x.is_floating_point() for x in inputs]
     metas = [(tuple(x.shape), x.stride(), x.dtype, x.device) for x in map(_unwrapped, inputs)]
     n_args = len(inputs) - len(names)
-    recorder = _evidence.Recorder(trace_code=True, paths=paths)
+    recorder = _evidence.Recorder(paths=paths)
     result: list[Any] = []
 
     def trace() -> None:

@@ -247,7 +247,7 @@ def trace_with_make_fx(
     backward = _backward_mode.eager_backward() if fused_backward else contextlib.nullcontext()
     # the modules' attributes the trace reads, and the globals, closure variables and their
     # contents the step's own Python reads (not undone: they are the trace's side effects)
-    recorder = _evidence.Recorder(trace_code=True, whole_step=True)
+    recorder = _evidence.Recorder(whole_step=True)
     recorder.meet_functions(fn, *leaves)
     with (
         fake_mode,
